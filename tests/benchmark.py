@@ -1,0 +1,97 @@
+"""Speed benchmark of the four scripts: `python tests/benchmark.py [--only NAME ...]`.
+
+Prints one markdown table per case and writes `benchmark.json`. Each case runs in child
+processes with the fake CPU device count it needs (XLA_FLAGS is read when JAX is imported)
+and reports ratios measured in the same run, so the figures hold on a noisy machine.
+
+A case is a function `bench_NAME()` registered in CASES; it calls `worker(...)` to run a
+measurement function of this file in a child process and returns a list of table rows.
+"""
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from conftest import load  # noqa: E402
+
+
+def worker(func, devices=1, timeout=1800, **kwargs):
+    """Run `func(**kwargs)` of this file in a child process with `devices` fake CPU devices."""
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+               JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
+    proc = subprocess.run(
+        [sys.executable, __file__, "--worker", func, json.dumps(kwargs)],
+        env=env, stdout=subprocess.PIPE, text=True, timeout=timeout, check=True)
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def timed(fn, *args):
+    """Seconds one call of `fn` takes, waiting for its device results."""
+    import jax
+
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    return time.perf_counter() - start
+
+
+# ---------------------------------------------------------------------------------------
+# anakin_catch.py: training SPS against the rollout-only bound (same envs, forward pass,
+# no learning), compile time apart.
+
+
+def catch_worker(envs, iters):
+    catch = load("anakin_catch.py")
+    return catch.benchmark(envs, iters)
+
+
+def bench_catch():
+    rows = []
+    for devices in (1, 2):
+        for envs in (128, 1024):
+            r = worker("catch_worker", devices=devices, envs=envs, iters=50 if envs == 1024 else 200)
+            rows.append({
+                "devices": devices, "envs/device": envs,
+                "train SPS": f"{r['train_sps']:,.0f}", "rollout-only SPS": f"{r['rollout_sps']:,.0f}",
+                "ratio": f"{r['train_sps'] / r['rollout_sps']:.0%}",
+                "compile s (train)": f"{r['train_compile_s']:.1f}",
+            })
+    return rows
+
+
+CASES = {"catch": bench_catch}
+
+
+def table(rows):
+    cols = list(rows[0])
+    lines = ["| " + " | ".join(cols) + " |", "|" + " --- |" * len(cols)]
+    lines += ["| " + " | ".join(str(r[c]) for c in cols) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", nargs="*", choices=sorted(CASES), help="cases to run (default: all)")
+    parser.add_argument("--out", default="benchmark.json")
+    parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        func, kwargs = args.worker
+        print(json.dumps(globals()[func](**json.loads(kwargs))))
+        return
+    machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores"
+    results = {"machine": machine}
+    for name in args.only or CASES:
+        rows = CASES[name]()
+        results[name] = rows
+        print(f"\n### {name} ({machine})\n\n{table(rows)}\n", flush=True)
+    Path(args.out).write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
