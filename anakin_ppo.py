@@ -1,0 +1,639 @@
+"""PPO in the Anakin architecture (Hessel et al. 2021, section 3) on environments written in JAX.
+
+The environments (CartPole-v1, Pendulum-v1, same rules as gymnasium 1.4's) live in this file,
+so rollouts, GAE and every epoch and minibatch of PPO (Schulman et al. 2017) are one XLA
+program. The minimal unit is `update`: one agent on one device rolls its envs out for
+`--num-steps`, then does `--num-epochs` x `--num-minibatches` clipped-surrogate steps. It is
+looped `--log-every` times inside one compiled call, `vmap`ped over `--num-seeds` independent
+agents, and replicated over every device (and host) with `jit` + `shard_map`.
+
+    host (Python)      one call = `--log-every` updates of every seed, no return to Python between
+    -------------      -----------------------------------------------------------------------------
+                       device 0                            device 1  ...  (every host)
+    init / resume -->  params, Adam state (one copy/seed)  params, Adam state (same copies)
+                       envs 0..E-1 of each seed            envs E..2E-1 of each seed
+                       loop over updates (vmap seeds):     loop over updates (vmap seeds):
+                         rollout T steps, GAE                rollout T steps, GAE
+                         epochs x minibatches (own data):    epochs x minibatches (own data):
+                           grads of the PPO loss               grads of the PPO loss
+                                <------ pmean over "devices" (all hosts) ------>
+                           Adam step (identical everywhere)    Adam step
+    log, checkpoint <- episode returns (psum), losses (pmean), per seed
+
+Examples:
+    python anakin_ppo.py                                  # CartPole-v1, ~1 min on a laptop CPU
+    python anakin_ppo.py --env-id Pendulum-v1 --num-seeds 8
+    python anakin_ppo.py --num-envs-per-device 2048 --total-timesteps 50_000_000
+"""
+
+import dataclasses
+import difflib
+import hashlib
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import tyro
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from tensorboardX import SummaryWriter
+
+
+@dataclass
+class Args:
+    env_id: str = "CartPole-v1"
+    """environment defined in this file: CartPole-v1 (discrete) or Pendulum-v1 (continuous)"""
+    exp_name: str = Path(__file__).stem
+    """experiment name, part of the run folder's name"""
+    seed: int = 1
+    """seeds parameters, environments and sampling (seed i of --num-seeds uses a key split from it)"""
+    num_seeds: int = 1
+    """independent agents trained side by side in the same compiled program (vmap)"""
+    total_timesteps: int | None = None
+    """environment steps of one agent, summed over its envs, devices and hosts (default: per env)"""
+    learning_rate: float | None = None
+    """Adam step size (default: per env)"""
+    anneal_lr: bool = True
+    """decay the step size linearly to zero over the run"""
+    num_envs_per_device: int | None = None
+    """environments of each agent stepped on each device (default: per env)"""
+    num_devices: int | None = None
+    """devices used on each host (default: all local devices)"""
+    num_steps: int | None = None
+    """rollout length of one update, per env (default: per env)"""
+    num_epochs: int | None = None
+    """passes over each rollout (default: per env)"""
+    num_minibatches: int | None = None
+    """minibatches per epoch, drawn on each device from its own rollout (default: per env)"""
+    gamma: float | None = None
+    """discount factor (default: per env)"""
+    gae_lambda: float = 0.95
+    """lambda of generalized advantage estimation"""
+    clip_coef: float = 0.2
+    """PPO ratio clip (and value clip) range"""
+    clip_vloss: bool | None = None
+    """clip the value loss around the old values (default: per env)"""
+    ent_coef: float | None = None
+    """entropy bonus coefficient (default: per env)"""
+    vf_coef: float = 0.5
+    """value loss coefficient"""
+    max_grad_norm: float = 0.5
+    """global-norm gradient clip"""
+    log_every: int = 50
+    """updates per compiled call; one log line and metrics row per call"""
+    checkpoint_every: int = 500
+    """updates between checkpoints, at the next log line (one is always written at the end)"""
+    run_dir: str = "runs"
+    """parent folder of run folders"""
+    resume: str | None = None
+    """checkpoint.npz to continue from (same flags; the run goes on to --total-timesteps)"""
+    distributed: bool = False
+    """call jax.distributed.initialize() for a multi-host run"""
+    coordinator_address: str | None = None
+    """host:port of process 0 (multi-host; JAX detects it on SLURM, Cloud TPU, Kubernetes)"""
+    num_processes: int | None = None
+    """number of processes (multi-host)"""
+    process_id: int | None = None
+    """index of this process (multi-host)"""
+
+
+# Per-env defaults. CartPole: CleanRL's ppo.py / PureJaxRL's CartPole config. Pendulum: a
+# short horizon (gamma 0.95: its reward is dense and a swing-up takes ~100 steps), many envs
+# (free in Anakin), long rollouts and 10 epochs as in rl-zoo's Pendulum PPO, no entropy
+# bonus or value clip (returns reach -300, far outside a 0.2 clip range).
+DEFAULTS = {
+    "CartPole-v1": dict(total_timesteps=500_000, learning_rate=2.5e-4, num_envs_per_device=4, num_steps=128,
+                        num_epochs=4, num_minibatches=4, gamma=0.99, clip_vloss=True, ent_coef=0.01),
+    "Pendulum-v1": dict(total_timesteps=3_000_000, learning_rate=1e-3, num_envs_per_device=32, num_steps=128,
+                        num_epochs=10, num_minibatches=32, gamma=0.95, clip_vloss=False, ent_coef=0.0),
+}
+
+
+# ---- The environments: pure JAX copies of gymnasium 1.4's classic control -----------------
+# An env is a handful of pure functions on one (unbatched) state, any pytree of arrays. To
+# bring your own, write these and add an `Env` to ENVS; time limit and auto-reset are generic.
+
+class Env(NamedTuple):
+    reset: Callable  # key -> state
+    step: Callable  # (state, action) -> (state, reward, terminated); no time limit, no reset
+    observe: Callable  # state -> observation [obs_size] float32
+    obs_size: int
+    action_size: int  # discrete: number of actions; continuous: action dimension
+    continuous: bool
+    max_steps: int  # time limit: the episode is truncated (not terminated) after this many steps
+
+
+# CartPole (Barto, Sutton & Anderson 1983), gymnasium's constants and Euler integrator.
+GRAVITY, MASS_CART, MASS_POLE, HALF_LENGTH, FORCE, TAU = 9.8, 1.0, 0.1, 0.5, 10.0, 0.02
+TOTAL_MASS, POLE_MOMENT = MASS_CART + MASS_POLE, MASS_POLE * HALF_LENGTH
+THETA_LIMIT, X_LIMIT = 12 * 2 * math.pi / 360, 2.4
+
+
+def cartpole_reset(key):
+    return jax.random.uniform(key, (4,), minval=-0.05, maxval=0.05)  # x, x_dot, theta, theta_dot
+
+
+def cartpole_step(state, action):
+    x, x_dot, theta, theta_dot = state
+    force = jnp.where(action == 1, FORCE, -FORCE)
+    cos, sin = jnp.cos(theta), jnp.sin(theta)
+    temp = (force + POLE_MOMENT * theta_dot**2 * sin) / TOTAL_MASS
+    theta_acc = (GRAVITY * sin - cos * temp) / (HALF_LENGTH * (4.0 / 3.0 - MASS_POLE * cos**2 / TOTAL_MASS))
+    x_acc = temp - POLE_MOMENT * theta_acc * cos / TOTAL_MASS
+    state = jnp.stack([x + TAU * x_dot, x_dot + TAU * x_acc, theta + TAU * theta_dot, theta_dot + TAU * theta_acc])
+    terminated = (jnp.abs(state[0]) > X_LIMIT) | (jnp.abs(state[2]) > THETA_LIMIT)
+    return state, jnp.float32(1.0), terminated  # +1 on every step, the last one included
+
+
+# Pendulum: gymnasium's swing-up, torque clipped to [-2, 2] by the env as gymnasium does.
+MAX_SPEED, MAX_TORQUE, DT, G = 8.0, 2.0, 0.05, 10.0  # mass and length are 1
+
+
+def pendulum_reset(key):
+    return jax.random.uniform(key, (2,), minval=jnp.array([-jnp.pi, -1.0]), maxval=jnp.array([jnp.pi, 1.0]))
+
+
+def pendulum_step(state, action):
+    theta, theta_dot = state
+    u = jnp.clip(action[0], -MAX_TORQUE, MAX_TORQUE)
+    angle = (theta + jnp.pi) % (2 * jnp.pi) - jnp.pi
+    cost = angle**2 + 0.1 * theta_dot**2 + 0.001 * u**2
+    theta_dot = jnp.clip(theta_dot + (3 * G / 2 * jnp.sin(theta) + 3.0 * u) * DT, -MAX_SPEED, MAX_SPEED)
+    return jnp.stack([theta + theta_dot * DT, theta_dot]), -cost, jnp.bool_(False)
+
+
+def pendulum_observe(state):
+    return jnp.stack([jnp.cos(state[0]), jnp.sin(state[0]), state[1]])
+
+
+ENVS = {
+    "CartPole-v1": Env(cartpole_reset, cartpole_step, lambda s: s, 4, 2, False, 500),
+    "Pendulum-v1": Env(pendulum_reset, pendulum_step, pendulum_observe, 3, 1, True, 200),
+}
+
+
+class EnvState(NamedTuple):
+    inner: jax.Array  # the env's own state
+    t: jax.Array  # steps taken in this episode (int32)
+    ep_return: jax.Array  # return of the episode in progress, for logging
+    ep_length: jax.Array
+
+
+class Step(NamedTuple):
+    obs: jax.Array  # what the agent sees next: a new episode's first obs if this one ended
+    final_obs: jax.Array  # the obs this action led to, before any reset: bootstrap from it
+    reward: jax.Array
+    terminated: jax.Array  # the episode reached a terminal state: its value is zero
+    truncated: jax.Array  # the time limit cut it (as gymnasium's TimeLimit: t >= max_steps)
+    ep_return: jax.Array  # return and length of the episode that ended here, else 0
+    ep_length: jax.Array
+
+
+def env_reset(env, key):
+    inner = env.reset(key)
+    return EnvState(inner, jnp.int32(0), jnp.float32(0), jnp.int32(0)), env.observe(inner)
+
+
+def env_step(env, state, action, key):
+    """Step one env with its time limit, resetting it automatically when an episode ends."""
+    inner, reward, terminated = env.step(state.inner, action)
+    t, ep_return = state.t + 1, state.ep_return + reward
+    truncated = t >= env.max_steps
+    done = terminated | truncated
+    final_obs = env.observe(inner)
+    fresh, first_obs = env_reset(env, key)
+    cont = EnvState(inner, t, ep_return, t)
+    state = jax.tree.map(lambda a, b: jnp.where(done, a, b), fresh, cont)
+    obs = jnp.where(done, first_obs, final_obs)
+    ended = Step(obs, final_obs, reward, terminated, truncated, jnp.where(done, ep_return, 0.0), jnp.where(done, t, 0))
+    return state, ended
+
+
+# ---- The network: separate actor and critic MLPs (64, 64, tanh), CleanRL's initialisation --
+
+def init_mlp(key, sizes, last_scale):
+    params = {}
+    for i, (n_in, n_out) in enumerate(zip(sizes[:-1], sizes[1:])):
+        key, sub = jax.random.split(key)
+        scale = last_scale if i == len(sizes) - 2 else math.sqrt(2)
+        params[f"layer{i}"] = {"w": jax.nn.initializers.orthogonal(scale)(sub, (n_in, n_out)), "b": jnp.zeros(n_out)}
+    return params
+
+
+def mlp(params, x):
+    layers = list(params.values())
+    for layer in layers[:-1]:
+        x = jnp.tanh(x @ layer["w"] + layer["b"])
+    return x @ layers[-1]["w"] + layers[-1]["b"]
+
+
+def init_params(key, env, hidden=64):
+    k_actor, k_critic = jax.random.split(key)
+    params = {"actor": init_mlp(k_actor, (env.obs_size, hidden, hidden, env.action_size), 0.01),
+              "critic": init_mlp(k_critic, (env.obs_size, hidden, hidden, 1), 1.0)}
+    if env.continuous:  # diagonal Gaussian: a learned log-std, the same in every state
+        params["log_std"] = jnp.zeros(env.action_size)
+    return params
+
+
+def apply(params, obs):
+    """Policy output (logits, or the Gaussian's mean) [..., A] and value [...] of obs [..., O]."""
+    return mlp(params["actor"], obs), mlp(params["critic"], obs)[..., 0]
+
+
+# ---- The policy's distribution: categorical (discrete) or diagonal Gaussian (continuous) ---
+
+def categorical_log_prob(logits, action):
+    return jnp.take_along_axis(jax.nn.log_softmax(logits), action[..., None], axis=-1)[..., 0]
+
+
+def categorical_entropy(logits):
+    log_p = jax.nn.log_softmax(logits)
+    return -jnp.sum(jnp.exp(log_p) * log_p, axis=-1)
+
+
+def gaussian_log_prob(mean, log_std, action):
+    z = (action - mean) * jnp.exp(-log_std)
+    return jnp.sum(-0.5 * z**2 - log_std - 0.5 * math.log(2 * math.pi), axis=-1)
+
+
+def gaussian_entropy(mean, log_std):
+    return jnp.sum(jnp.broadcast_to(0.5 + 0.5 * math.log(2 * math.pi) + log_std, mean.shape), axis=-1)
+
+
+def sample(key, params, out):
+    if "log_std" in params:  # unclipped: the env clips, the loss sees the action drawn
+        return out + jnp.exp(params["log_std"]) * jax.random.normal(key, out.shape)
+    return jax.random.categorical(key, out)
+
+
+def log_prob(params, out, action):
+    if "log_std" in params:
+        return gaussian_log_prob(out, params["log_std"], action)
+    return categorical_log_prob(out, action)
+
+
+def entropy(params, out):
+    if "log_std" in params:
+        return gaussian_entropy(out, params["log_std"])
+    return categorical_entropy(out)
+
+
+# ---- The loss: GAE(lambda) (Schulman et al. 2016) and PPO's clipped objective (2017) -------
+
+def gae(rewards, values, next_values, terminated, done, gamma, lam):
+    """Advantages and value targets, all [T, B].
+
+    `next_values` is V of the observation each action led to, before any reset. Many JAX PPO
+    references treat a time-limit cut as a termination (bootstrap with 0); here only a real
+    termination zeroes the bootstrap, while any episode end (`done`) stops the lambda-chain.
+    """
+    deltas = rewards + gamma * next_values * (1.0 - terminated) - values
+
+    def backward(adv_next, x):
+        delta, d = x
+        adv = delta + gamma * lam * (1.0 - d) * adv_next
+        return adv, adv
+
+    _, advantages = jax.lax.scan(backward, jnp.zeros_like(deltas[0]), (deltas, done), reverse=True)
+    return advantages, advantages + values
+
+
+def policy_loss(new_log_prob, old_log_prob, advantages, clip_coef):
+    """Clipped surrogate loss, with the ratio's approx. KL (Schulman's k3) and clip fraction."""
+    log_ratio = new_log_prob - old_log_prob
+    ratio = jnp.exp(log_ratio)
+    loss = jnp.maximum(-advantages * ratio, -advantages * jnp.clip(ratio, 1 - clip_coef, 1 + clip_coef)).mean()
+    approx_kl = ((ratio - 1) - log_ratio).mean()
+    clipfrac = (jnp.abs(ratio - 1) > clip_coef).mean()
+    return loss, approx_kl, clipfrac
+
+
+def value_loss(new_values, old_values, targets, clip_coef, clip):
+    loss = (new_values - targets) ** 2
+    if clip:
+        clipped = old_values + jnp.clip(new_values - old_values, -clip_coef, clip_coef)
+        loss = jnp.maximum(loss, (clipped - targets) ** 2)
+    return 0.5 * loss.mean()
+
+
+class Batch(NamedTuple):
+    """Rows of transitions for the PPO loss; leaves [N, ...]."""
+    obs: jax.Array
+    action: jax.Array
+    log_prob: jax.Array
+    value: jax.Array
+    advantage: jax.Array
+    target: jax.Array
+
+
+class Losses(NamedTuple):
+    policy_loss: jax.Array
+    value_loss: jax.Array
+    entropy: jax.Array
+    approx_kl: jax.Array
+    clipfrac: jax.Array
+
+
+def ppo_loss(params, batch, args):
+    out, values = apply(params, batch.obs)
+    adv = (batch.advantage - batch.advantage.mean()) / (batch.advantage.std() + 1e-8)  # per minibatch
+    pg_loss, approx_kl, clipfrac = policy_loss(log_prob(params, out, batch.action), batch.log_prob, adv, args.clip_coef)
+    v_loss = value_loss(values, batch.value, batch.target, args.clip_coef, args.clip_vloss)
+    ent = entropy(params, out).mean()
+    loss = pg_loss - args.ent_coef * ent + args.vf_coef * v_loss
+    return loss, Losses(pg_loss, v_loss, ent, approx_kl, clipfrac)
+
+
+# ---- Acting and learning for one agent on one device (the Anakin unit) ---------------------
+
+AXIS = "devices"
+
+
+class Runner(NamedTuple):
+    """What one agent carries from update to update."""
+    params: dict
+    opt_state: optax.OptState
+    env_state: EnvState  # leaves [num envs, ...], split across devices
+    obs: jax.Array  # [num envs, O]
+    key: jax.Array  # the same on every device; each device folds in its index
+    update: jax.Array  # updates done (int32)
+
+
+class Stats(NamedTuple):
+    """One update's figures, summed over the updates of a compiled call."""
+    losses: Losses  # means over minibatches and devices
+    return_sum: jax.Array  # summed over the episodes that ended, on all devices
+    length_sum: jax.Array
+    episodes: jax.Array
+
+
+def make_optimizer(args):
+    # Adam without a step size: `update` scales by the (annealed) learning rate itself.
+    return optax.chain(optax.clip_by_global_norm(args.max_grad_norm), optax.scale_by_adam(eps=1e-5))
+
+
+def init_runner(key, args, env, num_envs):
+    k_params, k_envs, k_run = jax.random.split(key, 3)
+    params = init_params(k_params, env)
+    env_state, obs = jax.vmap(lambda k: env_reset(env, k))(jax.random.split(k_envs, num_envs))
+    return Runner(params, make_optimizer(args).init(params), env_state, obs, k_run, jnp.int32(0))
+
+
+def rollout(params, env_state, obs, key, args, env):
+    """Act for `num_steps` in every env of this device; returns the trajectory, leaves [T, E, ...]."""
+    def act_and_step(carry, key):
+        env_state, obs = carry
+        k_act, k_env = jax.random.split(key)
+        out, value = apply(params, obs)
+        action = sample(k_act, params, out)
+        keys = jax.random.split(k_env, obs.shape[0])
+        env_state, step = jax.vmap(lambda s, a, k: env_step(env, s, a, k))(env_state, action, keys)
+        return (env_state, step.obs), (obs, action, log_prob(params, out, action), value, step)
+
+    (env_state, obs), traj = jax.lax.scan(act_and_step, (env_state, obs), jax.random.split(key, args.num_steps))
+    return env_state, obs, traj
+
+
+def update(runner, args, env, num_updates):
+    """One PPO update of one agent on one device: rollout, GAE, epochs x minibatches."""
+    key, k_roll, k_perm = jax.random.split(runner.key, 3)
+    device = jax.lax.axis_index(AXIS)
+    k_roll, k_perm = jax.random.fold_in(k_roll, device), jax.random.fold_in(k_perm, device)
+    params = runner.params
+    env_state, obs, (traj_obs, actions, log_probs, values, steps) = rollout(
+        params, runner.env_state, runner.obs, k_roll, args, env)
+    _, next_values = apply(params, steps.final_obs)  # one batched pass over [T, E]
+    done = (steps.terminated | steps.truncated).astype(jnp.float32)
+    advantages, targets = gae(steps.reward, values, next_values, steps.terminated.astype(jnp.float32), done,
+                              args.gamma, args.gae_lambda)
+    batch = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]),
+                         Batch(traj_obs, actions, log_probs, values, advantages, targets))  # [T*E, ...]
+
+    # All epochs' shuffles at once, cut into minibatches: one flat scan of epochs*minibatches
+    # gradient steps (cheaper to compile and run than a scan of epochs around one of minibatches).
+    n = batch.obs.shape[0]
+    order = jax.vmap(lambda k: jax.random.permutation(k, n))(jax.random.split(k_perm, args.num_epochs)).reshape(-1)
+    minibatches = jax.tree.map(lambda x: x[order].reshape(-1, n // args.num_minibatches, *x.shape[1:]), batch)
+    frac = 1.0 - runner.update / num_updates if args.anneal_lr else 1.0
+    lr = args.learning_rate * frac
+
+    def sgd_step(carry, minibatch):
+        params, opt_state = carry
+        grads, losses = jax.grad(ppo_loss, has_aux=True)(params, minibatch, args)
+        grads = jax.lax.pmean(grads, AXIS)  # every device now holds the same mean gradient
+        updates, opt_state = make_optimizer(args).update(grads, opt_state)
+        params = jax.tree.map(lambda p, u: p - lr * u, params, updates)
+        return (params, opt_state), losses
+
+    (params, opt_state), losses = jax.lax.scan(sgd_step, (params, runner.opt_state), minibatches)
+    stats = Stats(jax.lax.pmean(jax.tree.map(jnp.mean, losses), AXIS),
+                  *(jax.lax.psum(x.sum(), AXIS) for x in (steps.ep_return, steps.ep_length, done)))
+    return Runner(params, opt_state, env_state, obs, key, runner.update + 1), stats
+
+
+# ---- The device mapping: loop updates, vmap seeds, shard_map devices ------------------------
+
+RUNNER_SPECS = Runner(P(), P(), P(None, AXIS), P(None, AXIS), P(), P())  # leaves [seeds, (envs), ...]
+
+
+def make_train(args, env, mesh, num_updates):
+    """A compiled call: `n` updates (a traced count, so the last short call compiles no more)."""
+    def train(runner, n):
+        def body(_, carry):
+            runner, total = carry
+            runner, stats = update(runner, args, env, num_updates)
+            return runner, jax.tree.map(jnp.add, total, stats)
+
+        zeros = Stats(Losses(*[jnp.float32(0)] * 5), jnp.float32(0), jnp.int32(0), jnp.float32(0))
+        return jax.lax.fori_loop(0, n, body, (runner, zeros))
+
+    # check_vma=False: params enter replicated (P()) and we average their gradients ourselves
+    # with pmean; with check_vma=True JAX would already have summed them across devices.
+    sharded = jax.shard_map(jax.vmap(train, in_axes=(0, None)), mesh=mesh, in_specs=(RUNNER_SPECS, P()),
+                            out_specs=(RUNNER_SPECS, P()), check_vma=False)
+    return jax.jit(sharded, donate_argnums=0)
+
+
+def make_init(args, env, mesh, num_envs):
+    """Compiled init of every seed's Runner, laid out on the mesh (each host makes its shards)."""
+    keys = jax.random.split(jax.random.PRNGKey(args.seed), args.num_seeds)
+    shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), RUNNER_SPECS)
+    init = jax.jit(jax.vmap(lambda k: init_runner(k, args, env, num_envs)), out_shardings=shardings)
+    return lambda: init(keys), jax.eval_shape(init, keys), shardings
+
+
+# ---- Plumbing: input checks, devices, checkpoints, logging ---------------------------------
+
+def fail(message):
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def resolve(args):
+    """Check the flags (before anything compiles) and fill in the env's defaults."""
+    if args.env_id not in ENVS:
+        close = difflib.get_close_matches(args.env_id, list(ENVS), n=1, cutoff=0.3)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        fail(f"--env-id {args.env_id!r} is not available{hint}; this file defines: {', '.join(map(repr, ENVS))}")
+    defaults = {k: v for k, v in DEFAULTS[args.env_id].items() if getattr(args, k) is None}
+    args = dataclasses.replace(args, **defaults)
+    for flag in ("num_seeds", "num_envs_per_device", "num_steps", "num_epochs", "num_minibatches",
+                 "log_every", "checkpoint_every"):
+        if getattr(args, flag) < 1:
+            fail(f"--{flag.replace('_', '-')} {getattr(args, flag)} must be at least 1")
+    rollout_size = args.num_steps * args.num_envs_per_device
+    if rollout_size % args.num_minibatches:
+        fail(f"--num-minibatches {args.num_minibatches} must divide the rollout on each device, "
+             f"--num-steps x --num-envs-per-device = {rollout_size}")
+    for flag in ("gamma", "gae_lambda"):
+        if not 0 <= getattr(args, flag) <= 1:
+            fail(f"--{flag.replace('_', '-')} {getattr(args, flag)} must be in [0, 1]")
+    if args.learning_rate <= 0:
+        fail(f"--learning-rate {args.learning_rate} must be positive")
+    if args.resume and not Path(args.resume).is_file():
+        fail(f"--resume {args.resume!r}: no such checkpoint file")
+    return args
+
+
+def pick_devices(args):
+    local = jax.local_devices()
+    n = args.num_devices or len(local)
+    if not 1 <= n <= len(local):
+        fail(f"--num-devices {n} is not possible: this host has {len(local)} device(s)")
+    devices = [d for p in range(jax.process_count())
+               for d in [d for d in jax.devices() if d.process_index == p][:n]]
+    return Mesh(np.array(devices), (AXIS,))
+
+
+def flat(tree):
+    return {jax.tree_util.keystr(path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def save(path, runner):
+    arrays = flat(multihost_utils.process_allgather(runner, tiled=True))  # every host's envs
+    if jax.process_index() == 0:
+        tmp = Path(path).with_suffix(".tmp.npz")
+        np.savez(tmp, **arrays)
+        os.replace(tmp, path)  # a crash never leaves a torn checkpoint
+
+
+def load(path, template, shardings):
+    """A Runner from a checkpoint, checked against `template` (shapes) and put on the mesh."""
+    try:
+        with np.load(path, allow_pickle=False) as f:
+            arrays = dict(f)
+    except Exception as e:
+        fail(f"--resume {path!r} is not a readable checkpoint ({type(e).__name__}: {e})")
+    for name, spec in flat(template).items():
+        got = arrays.get(name)
+        if got is None or got.shape != spec.shape or got.dtype != spec.dtype:
+            found = "missing" if got is None else f"{got.dtype}{list(got.shape)}"
+            fail(f"--resume {path!r} does not match this run: {name} is {found}, expected {spec.dtype}"
+                 f"{list(spec.shape)} (same --env-id, --num-seeds, --num-envs-per-device and devices?)")
+    leaves = [jax.make_array_from_callback(arrays[name].shape, sharding, lambda i, a=arrays[name]: a[i])
+              for name, sharding in flat(shardings).items()]
+    return jax.tree.unflatten(jax.tree.structure(template), leaves)
+
+
+def checksum(params):
+    digest = hashlib.sha256()
+    for leaf in flat(jax.device_get(params)).values():
+        digest.update(np.ascontiguousarray(leaf).tobytes())
+    return digest.hexdigest()
+
+
+def metrics_row(stats, lr, global_step, sps):
+    """One metrics row from a call's summed Stats (leaves [seeds])."""
+    stats = jax.tree.map(np.asarray, stats)
+    row = {"global_step": global_step, "charts/SPS": sps, "charts/learning_rate": lr}
+    if stats.episodes.min() > 0:  # returns of the episodes that ended during the call, per seed
+        returns = stats.return_sum / stats.episodes
+        row.update({"charts/episodic_return": float(returns.mean()), "charts/episodic_return_min": float(returns.min()),
+                    "charts/episodic_return_max": float(returns.max()),
+                    "charts/episodic_length": float((stats.length_sum / stats.episodes).mean())})
+        if len(returns) > 1:
+            row.update({f"charts/episodic_return_seed{i}": float(r) for i, r in enumerate(returns)})
+    return row
+
+
+def duration(seconds):
+    minutes, seconds = divmod(int(seconds), 60)
+    return f"{minutes}m{seconds:02d}s" if minutes else f"{seconds}s"
+
+
+def main(args: Args) -> dict:
+    args = resolve(args)
+    env = ENVS[args.env_id]
+    if args.distributed:
+        jax.distributed.initialize(args.coordinator_address, args.num_processes, args.process_id)
+    mesh = pick_devices(args)
+    num_envs = args.num_envs_per_device * mesh.size
+    steps_per_update = args.num_steps * num_envs
+    num_updates = args.total_timesteps // steps_per_update
+    if num_updates < 1:
+        fail(f"--total-timesteps {args.total_timesteps} is less than one update "
+             f"(--num-steps x envs on all devices = {steps_per_update})")
+    init, template, shardings = make_init(args, env, mesh, num_envs)
+    runner = load(args.resume, template, shardings) if args.resume else init()
+    train = make_train(args, env, mesh, num_updates)
+
+    writer, run_path = None, None
+    if jax.process_index() == 0:
+        run_path = Path(args.run_dir) / f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
+        run_path.mkdir(parents=True, exist_ok=True)
+        (run_path / "args.json").write_text(json.dumps(dataclasses.asdict(args), indent=2))
+        writer = SummaryWriter(str(run_path))
+    checkpoint = run_path / "checkpoint.npz" if run_path else None
+
+    done = int(jax.device_get(runner.update.addressable_data(0))[0])
+    start, row = time.time(), {}
+    try:
+        while done < num_updates:
+            n = min(args.log_every, num_updates - done)
+            tick = time.time()
+            runner, stats = train(runner, jnp.int32(n))
+            stats = jax.device_get(stats)  # the one host sync of a call
+            losses = jax.tree.map(lambda x: float(np.mean(x) / n), stats.losses)
+            if not all(map(math.isfinite, losses)):
+                fail(f"non-finite loss after update {done + n} ({losses}); the last checkpoint is kept")
+            done += n
+            step = done * steps_per_update
+            sps = n * steps_per_update * args.num_seeds / (time.time() - tick)
+            lr = args.learning_rate * (1 - (done - 1) / num_updates if args.anneal_lr else 1.0)
+            row = metrics_row(stats, lr, step, sps)
+            row.update({f"losses/{k}": v for k, v in losses._asdict().items()})
+            if writer:
+                with open(run_path / "metrics.jsonl", "a") as f:
+                    f.write(json.dumps(row) + "\n")
+                for k, v in row.items():
+                    if k != "global_step":
+                        writer.add_scalar(k, v, step)
+            eta = (time.time() - start) / done * (num_updates - done) if done else 0
+            ret = f"{row['charts/episodic_return']:.1f}" if "charts/episodic_return" in row else "-"
+            print(f"update {done}/{num_updates} | step {step:,}/{num_updates * steps_per_update:,} "
+                  f"({done / num_updates:.0%}) | SPS {sps:,.0f} | return {ret} | ETA {duration(eta)}", flush=True)
+            if done % args.checkpoint_every < n and done < num_updates:
+                save(checkpoint, runner)
+    except KeyboardInterrupt:
+        print(f"interrupted after update {done}: writing a checkpoint", flush=True)
+        save(checkpoint, runner)
+        sys.exit(130)
+    save(checkpoint, runner)
+    if writer:
+        writer.close()
+    print(f"checksum {checksum(runner.params)}", flush=True)
+    return row
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))
