@@ -1,0 +1,714 @@
+"""Sebulba PPO on Atari: the Podracer paper's actor/learner split (Hessel et al. 2021, section 4)
+running the PPO Atari recipe (Schulman et al. 2017; the CleanRL/Cleanba settings).
+
+Atari runs on the host CPU (envpool), so acting and learning are separate programs on separate
+devices. Actor threads each own an envpool batch and a jitted policy on their actor device; each
+rollout is split along the env axis and put straight onto the learner devices; the learner is one
+`jit` + `shard_map` over the learner devices of every host that does all PPO epochs and minibatches,
+averaging gradients across learners (and hosts), then sends the new parameters to the actors.
+
+    host CPU (per host)                 actor device(s)              learner devices (all hosts)
+    -------------------                 ---------------              ---------------------------
+    actor thread k: envpool batch  -->  act(params, obs): sample,
+      (--local-num-envs envs)      <--  log-prob, value (jit)
+      --num-steps steps, then the rollout [T, E, ...] is split along E
+                                   ------------------------------>  learner 0 | learner 1 | ...
+                                        (device_put, bounded queue)  GAE, then epochs x minibatches
+                                                                     of PPO, grads psum'd over all
+                                   <------------------------------  new params (one update later)
+    Actors act with parameters at most one update old (--no-policy-lag: the newest); PPO's ratio
+    uses the log-probs stored at acting time, so the lag never biases the update.
+
+Examples:
+    python sebulba_ppo_atari.py --env-id Breakout-v5
+    python sebulba_ppo_atari.py --env-id Pong-v5 --actor-device-ids 0 --learner-device-ids 1 2 3
+    python sebulba_ppo_atari.py --resume runs/Breakout-v5__sebulba_ppo_atari__1__1700000000/checkpoint.npz
+"""
+
+import difflib
+import hashlib
+import json
+import os
+import queue
+import sys
+import threading
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from functools import partial
+from pathlib import Path
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import tyro
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from tensorboardX import SummaryWriter
+
+import envpool
+
+
+@dataclass
+class Args:
+    env_id: str = "Breakout-v5"
+    """an envpool Atari id ending in -v5 (other envs: sebulba_impala.py)"""
+    exp_name: str = Path(__file__).stem
+    """experiment name, part of the run folder's name"""
+    seed: int = 1
+    """seeds parameters, environments and sampling"""
+    total_timesteps: int = 10_000_000
+    """agent steps summed over all envs, actor threads, devices and hosts"""
+    learning_rate: float = 2.5e-4
+    """Adam step size (annealed linearly to 0 with --anneal-lr)"""
+    anneal_lr: bool = True
+    """anneal the learning rate linearly to 0 over the run"""
+    actor_device_ids: list[int] | None = None
+    """local device indices that act (default: device 0)"""
+    learner_device_ids: list[int] | None = None
+    """local device indices that learn (default: all others, or device 0 if it is the only one)"""
+    num_actor_threads: int = 2
+    """Python actor threads per actor device: one steps its envs while another runs inference"""
+    local_num_envs: int = 16
+    """envs per actor thread (one envpool batch, one policy call per step)"""
+    num_steps: int = 128
+    """rollout length per env per update"""
+    gamma: float = 0.99
+    """discount"""
+    gae_lambda: float = 0.95
+    """lambda of generalised advantage estimation"""
+    num_minibatches: int = 4
+    """minibatches per epoch (each one gradient step over all learners)"""
+    update_epochs: int = 4
+    """passes over each rollout"""
+    clip_coef: float = 0.1
+    """PPO ratio clipping (also clips the value update)"""
+    ent_coef: float = 0.01
+    """entropy bonus weight"""
+    vf_coef: float = 0.5
+    """value loss weight"""
+    max_grad_norm: float = 0.5
+    """global-norm gradient clipping"""
+    policy_lag: bool = True
+    """actors may act with parameters one update old (--no-policy-lag: wait for the newest)"""
+    episodic_life: bool = True
+    """a lost life ends the episode for learning (returns still count the whole game)"""
+    reward_clip: bool = True
+    """learn from the sign of the reward (returns are still the unclipped score)"""
+    repeat_action_probability: float = 0.0
+    """sticky actions (Machado et al. 2018 use 0.25)"""
+    log_every: int = 1
+    """updates between log lines and metrics rows"""
+    checkpoint_every: int = 50
+    """updates between checkpoints (one is always written at the end)"""
+    run_dir: str = "runs"
+    """parent folder of run folders"""
+    resume: str | None = None
+    """checkpoint.npz to continue from (parameters, optimizer, counters; envs start afresh)"""
+    distributed: bool = False
+    """call jax.distributed.initialize() for a multi-host run"""
+    coordinator_address: str | None = None
+    """host:port of process 0 (multi-host; JAX detects it on SLURM, Cloud TPU, Kubernetes)"""
+    num_processes: int | None = None
+    """number of processes (multi-host)"""
+    process_id: int | None = None
+    """index of this process (multi-host)"""
+
+
+# ---- The environment: envpool Atari, stepped on the host by the actor threads -------------
+
+def make_envs(args, num_envs, seed):
+    return envpool.make(
+        args.env_id, env_type="gymnasium", num_envs=num_envs, seed=seed,
+        episodic_life=args.episodic_life, reward_clip=args.reward_clip,
+        repeat_action_probability=args.repeat_action_probability,
+        num_threads=max(1, min(num_envs, os.cpu_count() or 1)))
+
+
+# ---- The network: Nature DQN CNN (Mnih et al. 2015), orthogonal init as in PPO ------------
+
+CONVS = ((8, 4, 32), (4, 2, 64), (3, 1, 64))  # (kernel, stride, channels)
+
+
+def init_params(key, num_actions, frames=4):
+    keys = jax.random.split(key, len(CONVS) + 3)
+    ortho = jax.nn.initializers.orthogonal
+    params, c_in = {}, frames
+    for i, (k, _, c_out) in enumerate(CONVS):
+        params[f"conv{i}"] = {"w": ortho(np.sqrt(2))(keys[i], (k, k, c_in, c_out)), "b": jnp.zeros(c_out)}
+        c_in = c_out
+    dense = lambda key, n_in, n_out, scale: {"w": ortho(scale)(key, (n_in, n_out)), "b": jnp.zeros(n_out)}
+    params["hidden"] = dense(keys[-3], 7 * 7 * 64, 512, np.sqrt(2))
+    params["policy"] = dense(keys[-2], 512, num_actions, 0.01)  # near-uniform first policy
+    params["value"] = dense(keys[-1], 512, 1, 1.0)
+    return params
+
+
+def apply(params, obs):
+    """Logits [B, A] and values [B] of uint8 frame stacks [B, 4, 84, 84]."""
+    x = jnp.transpose(obs, (0, 2, 3, 1)).astype(jnp.float32) / 255.0  # NHWC
+    for i, (_, stride, _) in enumerate(CONVS):
+        layer = params[f"conv{i}"]
+        x = jax.lax.conv_general_dilated(x, layer["w"], (stride, stride), "VALID",
+                                         dimension_numbers=("NHWC", "HWIO", "NHWC"))
+        x = jax.nn.relu(x + layer["b"])
+    x = jax.nn.relu(x.reshape(x.shape[0], -1) @ params["hidden"]["w"] + params["hidden"]["b"])
+    logits = x @ params["policy"]["w"] + params["policy"]["b"]
+    return logits, (x @ params["value"]["w"] + params["value"]["b"])[:, 0]
+
+
+# ---- The loss: GAE (Schulman et al. 2016) and PPO's clipped objective (2017) --------------
+
+def gae(rewards, values, terminated, dones, gamma, lam):
+    """Advantages [T, E] from rewards, terminated, dones [T, E] and values [T + 1, E].
+
+    `values[t + 1]` is V of the observation step t returned. After a truncation that is the
+    final observation (envpool resets on the next step), so truncation bootstraps from it while
+    only `terminated` zeroes it; `dones` (terminated or truncated) stops the recursion, so the
+    autoreset step that follows an end never leaks into the old episode.
+    """
+    deltas = rewards + gamma * values[1:] * (1.0 - terminated) - values[:-1]
+
+    def backward(next_adv, x):
+        delta, done = x
+        adv = delta + gamma * lam * (1.0 - done) * next_adv
+        return adv, adv
+
+    _, advantages = jax.lax.scan(backward, jnp.zeros_like(deltas[0]), (deltas, dones), reverse=True)
+    return advantages
+
+
+def normalize(advantages, mask, axis_name):
+    """Zero mean, unit std over the valid samples of the minibatch on every learner."""
+    n = jax.lax.psum(mask.sum(), axis_name)
+    mean = jax.lax.psum((advantages * mask).sum(), axis_name) / n
+    var = jax.lax.psum((((advantages - mean) ** 2) * mask).sum(), axis_name) / n
+    return (advantages - mean) / (jnp.sqrt(var) + 1e-8)
+
+
+def clipped_surrogate(ratio, advantages, clip):
+    """Per-sample PPO policy loss: the pessimistic of the plain and clipped ratio terms."""
+    return jnp.maximum(-advantages * ratio, -advantages * jnp.clip(ratio, 1 - clip, 1 + clip))
+
+
+def clipped_value_loss(values, old_values, returns, clip):
+    """Per-sample value loss, with the value update clipped around the acting-time value."""
+    clipped = old_values + jnp.clip(values - old_values, -clip, clip)
+    return 0.5 * jnp.maximum((values - returns) ** 2, (clipped - returns) ** 2)
+
+
+def entropy(logits):
+    logp = jax.nn.log_softmax(logits)
+    return -(jnp.exp(logp) * logp).sum(-1)
+
+
+class Samples(NamedTuple):
+    """Flattened [N] learning samples on one learner."""
+    obs: jax.Array  # [N, 4, 84, 84] uint8
+    actions: jax.Array
+    logprobs: jax.Array  # behaviour log-probs, stored at acting time
+    values: jax.Array  # acting-time values
+    advantages: jax.Array
+    returns: jax.Array
+    mask: jax.Array  # 0 on envpool's autoreset steps, whose action did nothing
+
+
+class Metrics(NamedTuple):
+    policy_loss: jax.Array
+    value_loss: jax.Array
+    entropy: jax.Array
+    approx_kl: jax.Array
+    clipfrac: jax.Array
+
+
+def ppo_loss(params, mb, args, axis_name):
+    """This learner's share of the global minibatch's mean PPO loss (psum over learners = mean)."""
+    logits, values = apply(params, mb.obs)
+    logp = jnp.take_along_axis(jax.nn.log_softmax(logits), mb.actions[:, None], -1)[:, 0]
+    log_ratio = logp - mb.logprobs
+    ratio = jnp.exp(log_ratio)
+    advantages = normalize(mb.advantages, mb.mask, axis_name)
+    n = jax.lax.psum(mb.mask.sum(), axis_name)
+    share = lambda x: (x * mb.mask).sum() / n
+    metrics = Metrics(
+        share(clipped_surrogate(ratio, advantages, args.clip_coef)),
+        share(clipped_value_loss(values, mb.values, mb.returns, args.clip_coef)),
+        share(entropy(logits)),
+        share(jax.lax.stop_gradient((ratio - 1) - log_ratio)),  # the low-variance KL estimate
+        share(jax.lax.stop_gradient(jnp.abs(ratio - 1) > args.clip_coef)))
+    loss = metrics.policy_loss - args.ent_coef * metrics.entropy + args.vf_coef * metrics.value_loss
+    return loss, metrics
+
+
+# ---- Acting (actor devices) ------------------------------------------------------------
+
+@jax.jit
+def act(params, obs, key):
+    """Sample actions on the actor device; return them with their log-probs and values."""
+    key, sub = jax.random.split(key)
+    logits, values = apply(params, obs)
+    actions = jax.random.categorical(sub, logits)
+    logprobs = jnp.take_along_axis(jax.nn.log_softmax(logits), actions[:, None], -1)[:, 0]
+    return actions, logprobs, values, key
+
+
+class Rollout(NamedTuple):
+    """One actor thread's `--num-steps` transitions; split along E onto the learners."""
+    obs: np.ndarray  # [T, E, 4, 84, 84] uint8
+    actions: np.ndarray  # [T, E]
+    logprobs: np.ndarray  # [T, E]
+    values: np.ndarray  # [T + 1, E], the last one V of the bootstrap observation
+    rewards: np.ndarray  # [T, E], clipped if --reward-clip
+    terminated: np.ndarray  # [T, E], life loss too if --episodic-life
+    dones: np.ndarray  # [T, E], terminated or truncated
+    valid: np.ndarray  # [T, E], False on the autoreset step after a done
+
+
+class ActorCarry(NamedTuple):
+    """What an actor thread carries from one rollout into the next."""
+    obs: np.ndarray  # [E, 4, 84, 84], the bootstrap observation of the last rollout
+    key: jax.Array
+    prev_done: np.ndarray  # [E], so the next step is envpool's autoreset step
+    game_return: np.ndarray  # [E], unclipped score of the game in progress, all lives
+    game_length: np.ndarray  # [E]
+
+
+class ActorStats(NamedTuple):
+    returns: list  # whole games that ended during the rollout
+    lengths: list
+    lag: int  # updates between the acting parameters and the learner's
+    rollout_s: float
+    inference_s: float
+    env_step_s: float
+    params_wait_s: float
+    queue_put_s: float
+
+
+def collect(envs, params, carry, num_steps):
+    """Step the envs `num_steps` times with the policy: (Rollout, ActorCarry, returns, lengths, times)."""
+    steps, returns, lengths, inference_s, env_s = [], [], [], 0.0, 0.0
+    c = carry
+    for _ in range(num_steps):
+        t0 = time.perf_counter()
+        action, logprob, value, key = act(params, c.obs, c.key)
+        action, logprob, value = jax.device_get((action, logprob, value))
+        t1 = time.perf_counter()
+        obs, reward, terminated, truncated, info = envs.step(action)
+        inference_s, env_s = inference_s + t1 - t0, env_s + time.perf_counter() - t1
+        valid = ~c.prev_done
+        game_return, game_length = c.game_return + info["reward"], c.game_length + valid
+        game_over = info["terminated"].astype(bool) | truncated
+        returns += game_return[game_over].tolist()
+        lengths += game_length[game_over].tolist()
+        done = terminated | truncated
+        steps.append((c.obs, action, logprob, value, reward, terminated, done, valid))
+        c = ActorCarry(obs, key, done, np.where(game_over, 0.0, game_return), np.where(game_over, 0, game_length))
+    _, _, bootstrap, key = act(params, c.obs, c.key)
+    obs, actions, logprobs, values, rewards, terminated, dones, valid = (np.stack(x) for x in zip(*steps))
+    values = np.concatenate([values, np.asarray(bootstrap)[None]])
+    rollout = Rollout(obs, actions, logprobs, values, rewards.astype(np.float32),
+                      terminated.astype(np.float32), dones.astype(np.float32), valid.astype(np.float32))
+    return rollout, c._replace(key=key), returns, lengths, (inference_s, env_s)
+
+
+class ParamStore:
+    """The newest parameters on every actor device, and how many updates made them."""
+
+    def __init__(self):
+        self.cond, self.version, self.params = threading.Condition(), -1, None
+
+    def publish(self, version, params):
+        with self.cond:
+            self.version, self.params = version, params
+            self.cond.notify_all()
+
+    def wait(self, min_version, stop):
+        """(version, params) once version >= min_version; None if the run stops first."""
+        while not stop.is_set():
+            with self.cond:
+                if self.cond.wait_for(lambda: self.version >= min_version, timeout=0.5):
+                    return self.version, self.params
+        return None
+
+
+def put(q, item, stop):
+    """Put on a bounded queue without ever blocking past a stop."""
+    while not stop.is_set():
+        try:
+            return q.put(item, timeout=0.5) or True
+        except queue.Full:
+            continue
+    return False
+
+
+def to_learners(rollout, devices):
+    """Split a rollout along the env axis and put each part straight onto its learner device."""
+    parts = [np.split(x, len(devices), axis=1) for x in rollout]
+    return [jax.device_put(Rollout(*(p[i] for p in parts)), d) for i, d in enumerate(devices)]
+
+
+def actor_loop(args, index, device, learner_devices, store, out, stop, start_update, num_updates):
+    """One actor thread (paper section 4): act on `device`, ship each rollout to the learners."""
+    envs = make_envs(args, args.local_num_envs, args.seed + index * args.local_num_envs)
+    obs, _ = envs.reset()
+    key = jax.device_put(jax.random.fold_in(jax.random.PRNGKey(args.seed), 1 + index), device)
+    n = args.local_num_envs
+    carry = ActorCarry(obs, key, np.zeros(n, bool), np.zeros(n), np.zeros(n, np.int64))
+    put_s = 0.0  # a rollout's queue wait is known only after it is sent: reported with the next
+    for update in range(start_update, num_updates):
+        start = time.perf_counter()
+        # Rollout u may use parameters from update u - 1 (lag 1): it is collected while the
+        # learner is still busy with rollout u - 1. Without lag it waits for update u - 1 to end.
+        got = store.wait(max(start_update, update - int(args.policy_lag)), stop)
+        if got is None:
+            return
+        version, params = got
+        waited = time.perf_counter() - start
+        rollout, carry, returns, lengths, (inference_s, env_s) = collect(envs, params[device], carry, args.num_steps)
+        parts = to_learners(rollout, learner_devices)
+        stats = ActorStats(returns, lengths, update - version, time.perf_counter() - start - waited,
+                           inference_s, env_s, waited, put_s)
+        start = time.perf_counter()
+        if not put(out, (parts, stats), stop):
+            return
+        put_s = time.perf_counter() - start
+
+
+def actor_thread(*args):
+    try:
+        actor_loop(*args)
+    except BaseException:
+        traceback.print_exc()  # this thread's traceback; the learner sees `stop` and ends the run
+        args[6].set()
+
+
+# ---- Learning (learner devices): one PPO update in one compiled call ------------------------
+
+class TrainState(NamedTuple):
+    params: dict
+    opt_state: optax.OptState
+    key: jax.Array  # minibatch shuffling, the same on every learner
+
+
+def make_optimizer(args, num_updates):
+    """Adam with global-norm clipping; the learning rate steps down linearly once per update."""
+    steps_per_update = args.update_epochs * args.num_minibatches
+
+    def learning_rate(count):
+        done = count // steps_per_update
+        return args.learning_rate * (1.0 - done / num_updates if args.anneal_lr else 1.0)
+
+    return optax.chain(optax.clip_by_global_norm(args.max_grad_norm), optax.adam(learning_rate, eps=1e-5)), learning_rate
+
+
+def init_state(key, args, num_actions, num_updates):
+    k_params, k_learn = jax.random.split(key)
+    params = init_params(k_params, num_actions)
+    return TrainState(params, make_optimizer(args, num_updates)[0].init(params), k_learn)
+
+
+def learner_update(state, rollout, args, optimizer):
+    """One PPO update on this learner's share [T, E_l, ...] of the rollouts (inside shard_map)."""
+    advantages = gae(rollout.rewards, rollout.values, rollout.terminated, rollout.dones, args.gamma, args.gae_lambda)
+    flat = lambda x: x.reshape(-1, *x.shape[2:])  # [T, E_l, ...] -> [N, ...]
+    old_values = rollout.values[:-1]
+    samples = Samples(flat(rollout.obs), flat(rollout.actions), flat(rollout.logprobs), flat(old_values),
+                      flat(advantages), flat(advantages + old_values), flat(rollout.valid))
+    params, opt_state, key = state
+    metrics = []
+    # Epochs and minibatches are Python loops, unrolled inside the jit: on XLA:CPU a conv
+    # gradient inside lax.scan runs ~20x slower (CONVENTIONS, jax issue 12868).
+    for _ in range(args.update_epochs):
+        key, sub = jax.random.split(key)
+        order = jax.random.permutation(sub, samples.actions.shape[0]).reshape(args.num_minibatches, -1)
+        for idx in order:
+            mb = jax.tree.map(lambda x: x[idx], samples)
+            grads, m = jax.grad(ppo_loss, has_aux=True)(params, mb, args, "learners")
+            grads = jax.lax.psum(grads, "learners")  # each learner's share -> the global mean's gradient
+            updates, opt_state = optimizer.update(grads, opt_state, params)
+            params = optax.apply_updates(params, updates)
+            metrics.append(jax.lax.psum(m, "learners"))
+    return TrainState(params, opt_state, key), jax.tree.map(lambda *x: jnp.stack(x).mean(), *metrics)
+
+
+def make_update(args, mesh, num_updates):
+    """The learner: `learner_update` on every learner device of every host, one compiled call."""
+    update = partial(learner_update, args=args, optimizer=make_optimizer(args, num_updates)[0])
+    # check_vma=False: params enter replicated (P()) and ppo_loss returns each learner's share of
+    # the global mean, so we psum the gradients ourselves; with check_vma=True JAX would already
+    # sum a replicated input's gradient across the mesh and our psum would double it.
+    sharded = jax.shard_map(update, mesh=mesh, in_specs=(P(), P(None, "learners")),
+                            out_specs=(P(), P()), check_vma=False)
+    return jax.jit(sharded)
+
+
+class Layout(NamedTuple):
+    actor_devices: list  # this host's
+    learner_devices: list  # this host's, in mesh order
+    mesh: Mesh  # the learner devices of every host
+    num_envs: int  # envs of every actor thread of every host
+
+
+def assemble(parts, layout):
+    """One global Rollout [T, all envs, ...] from the actor threads' parts on the learner devices."""
+    per_device = [jax.tree.map(lambda *x: jnp.concatenate(x, axis=1), *[p[i] for p in parts])
+                  for i in range(len(layout.learner_devices))]
+    sharding = NamedSharding(layout.mesh, P(None, "learners"))
+
+    def glue(*shards):
+        shape = (shards[0].shape[0], shards[0].shape[1] * layout.mesh.size, *shards[0].shape[2:])
+        return jax.make_array_from_single_device_arrays(shape, sharding, list(shards))
+
+    return jax.tree.map(glue, *per_device)
+
+
+def local(tree):
+    """This host's copy of replicated global arrays."""
+    return jax.tree.map(lambda x: x.addressable_shards[0].data, tree)
+
+
+def to_actors(params, layout):
+    return {d: jax.device_put(local(params), d) for d in layout.actor_devices}
+
+
+# ---- Plumbing: input checks, devices, checkpoints, logging -------------------------------
+
+def fail(message):
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def check_args(args):
+    """Flag checks that need no device; returns the number of actions."""
+    specs = envpool.registration.registry.specs
+    atari = sorted(i for i, s in specs.items() if s[0] == "envpool.atari" and i.endswith("-v5"))
+    if args.env_id not in atari:
+        if args.env_id in specs:
+            fail(f"--env-id {args.env_id!r} is not an Atari -v5 game; this file trains Atari only "
+                 "(sebulba_impala.py runs any envpool or gymnasium env)")
+        close = difflib.get_close_matches(args.env_id, atari, n=3, cutoff=0.5)
+        fail(f"--env-id {args.env_id!r} is not an envpool Atari id"
+             + (f"; did you mean {', '.join(map(repr, close))}?" if close else "; e.g. 'Breakout-v5', 'Pong-v5'"))
+    for flag in ("total_timesteps", "num_actor_threads", "local_num_envs", "num_steps", "num_minibatches",
+                 "update_epochs", "log_every", "checkpoint_every"):
+        if getattr(args, flag) < 1:
+            fail(f"--{flag.replace('_', '-')} {getattr(args, flag)} must be at least 1")
+    for flag in ("gamma", "gae_lambda", "repeat_action_probability"):
+        if not 0 <= getattr(args, flag) <= 1:
+            fail(f"--{flag.replace('_', '-')} {getattr(args, flag)} must be in [0, 1]")
+    if args.resume and not Path(args.resume).is_file():
+        fail(f"--resume {args.resume!r}: no such checkpoint file")
+    return envpool.make_spec(args.env_id).action_space.n
+
+
+def pick_devices(args):
+    n = len(jax.local_devices())
+    actors = args.actor_device_ids or [0]
+    learners = args.learner_device_ids or ([i for i in range(n) if i not in actors] or [0])
+    for flag, ids in (("--actor-device-ids", actors), ("--learner-device-ids", learners)):
+        if not all(0 <= i < n for i in ids) or len(set(ids)) < len(ids):
+            fail(f"{flag} {' '.join(map(str, ids))}: give distinct indices in 0..{n - 1} (this host has {n} devices)")
+    if n > 1 and set(actors) & set(learners):
+        fail(f"--actor-device-ids {actors} and --learner-device-ids {learners} share a device; with {n} "
+             "devices give each role its own")
+    hosts = [[d for d in jax.devices() if d.process_index == p] for p in range(jax.process_count())]
+    mesh = Mesh(np.array([host[i] for host in hosts for i in learners]), ("learners",))
+    mine = hosts[jax.process_index()]
+    num_envs = jax.process_count() * len(actors) * args.num_actor_threads * args.local_num_envs
+    return Layout([mine[i] for i in actors], [mine[i] for i in learners], mesh, num_envs)
+
+
+def check_sizes(args, layout):
+    """Counts that must divide; returns the number of updates."""
+    n_learners = len(layout.learner_devices)
+    if args.local_num_envs % n_learners:
+        fail(f"--local-num-envs {args.local_num_envs} must divide evenly across {n_learners} learner devices")
+    rows = args.num_steps * layout.num_envs // layout.mesh.size  # samples on each learner
+    if rows % args.num_minibatches:
+        fail(f"--num-minibatches {args.num_minibatches} must divide the {rows} samples on each learner "
+             f"(--num-steps x envs per learner)")
+    batch = args.num_steps * layout.num_envs
+    if args.total_timesteps < batch:
+        fail(f"--total-timesteps {args.total_timesteps} is less than one update ({batch:,} steps = "
+             f"--num-steps {args.num_steps} x {layout.num_envs} envs)")
+    return args.total_timesteps // batch
+
+
+def flat(tree):
+    return {jax.tree_util.keystr(path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def save(path, state, update, global_step):
+    arrays = {**flat(jax.device_get(local(state))), "update": np.asarray(update), "global_step": np.asarray(global_step)}
+    tmp = Path(path).with_suffix(".tmp.npz")
+    np.savez(tmp, **arrays)
+    os.replace(tmp, path)  # a crash never leaves a torn checkpoint
+
+
+def load(path, template):
+    """A host TrainState and its counters from a checkpoint, checked against `template`."""
+    try:
+        with np.load(path, allow_pickle=False) as f:
+            arrays = dict(f)
+    except Exception as e:
+        fail(f"--resume {path!r} is not a readable checkpoint ({type(e).__name__}: {e})")
+    expected = flat(template)
+    for name, spec in expected.items():
+        got = arrays.get(name)
+        if got is None or got.shape != spec.shape or got.dtype != spec.dtype:
+            found = "missing" if got is None else f"{got.dtype}{list(got.shape)}"
+            fail(f"--resume {path!r} does not match this run: {name} is {found}, expected "
+                 f"{spec.dtype}{list(spec.shape)} (same --env-id?)")
+    state = jax.tree.unflatten(jax.tree.structure(template), [arrays[name] for name in expected])
+    return state, int(arrays["update"]), int(arrays["global_step"])
+
+
+def place(state, mesh):
+    """A host TrainState replicated on every learner device of every host."""
+    sharding = NamedSharding(mesh, P())
+    return jax.tree.map(lambda a: jax.make_array_from_callback(a.shape, sharding, lambda i: a[i]), state)
+
+
+def get(q, stop, interrupted):
+    """The next item of an actor thread's queue; None on Ctrl-C; raises if an actor failed."""
+    while not interrupted.is_set():
+        if stop.is_set():
+            raise RuntimeError("an actor thread failed (its traceback is above); stopping the run")
+        try:
+            return q.get(timeout=0.5)
+        except queue.Empty:
+            continue
+    return None
+
+
+def duration(seconds):
+    m, s = divmod(int(seconds), 60)
+    return f"{m // 60}h{m % 60:02d}m" if m >= 60 else f"{m}m{s:02d}s"
+
+
+def window_row(stats, learner_s, update, global_step, sps, lr, metrics):
+    """One metrics row from the actor stats and learner timings of a log window."""
+    mean = lambda xs: float(np.mean(xs))
+    row = {"global_step": global_step, "update": update, "charts/SPS": sps, "charts/learning_rate": lr,
+           "charts/policy_lag": mean([s.lag for s in stats]),
+           **{f"losses/{k}": float(v) for k, v in metrics._asdict().items()},
+           **{f"timing/{k}": mean([getattr(s, k) for s in stats]) for k in ActorStats._fields[3:]},
+           **{f"timing/{k}": mean(v) for k, v in learner_s.items()}}
+    returns = [r for s in stats for r in s.returns]
+    if returns:
+        row["charts/episodic_return"] = mean(returns)
+        row["charts/episodic_length"] = mean([n for s in stats for n in s.lengths])
+    return row
+
+
+# ---- The run: actor threads feed the learner (main thread) through bounded queues ---------
+
+def main(args):
+    num_actions = check_args(args)
+    if args.distributed:
+        jax.distributed.initialize(args.coordinator_address, args.num_processes, args.process_id)
+    layout = pick_devices(args)
+    num_updates = check_sizes(args, layout)
+    batch = args.num_steps * layout.num_envs
+    key = jax.random.PRNGKey(args.seed)
+    template = jax.eval_shape(partial(init_state, args=args, num_actions=num_actions, num_updates=num_updates), key)
+    start_update, global_step = 0, 0
+    if args.resume:
+        host_state, start_update, global_step = load(args.resume, template)
+        if start_update >= num_updates:
+            fail(f"--resume {args.resume!r} is at update {start_update}, the end of a {num_updates}-update "
+                 "run: raise --total-timesteps to continue")
+    else:
+        host_state = jax.device_get(init_state(key, args, num_actions, num_updates))
+    state = place(host_state, layout.mesh)
+    update_fn = make_update(args, layout.mesh, num_updates)
+    lr_at = make_optimizer(args, num_updates)[1]
+
+    writer, run_path = None, None
+    if jax.process_index() == 0:
+        run_path = Path(args.run_dir) / f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
+        run_path.mkdir(parents=True, exist_ok=True)
+        (run_path / "args.json").write_text(json.dumps(asdict(args), indent=2))
+        writer = SummaryWriter(str(run_path))
+
+    # Actor threads, one bounded queue each, so the learner takes rollouts in a fixed order.
+    stop, interrupted, store = threading.Event(), threading.Event(), ParamStore()
+    signal_ok = threading.current_thread() is threading.main_thread()
+    if signal_ok:  # Ctrl-C: finish the update in flight, write a checkpoint, exit
+        import signal
+        signal.signal(signal.SIGINT, lambda *_: interrupted.set())
+    store.publish(start_update, to_actors(state.params, layout))
+    queues, threads = [], []
+    first = jax.process_index() * len(layout.actor_devices) * args.num_actor_threads
+    for device in layout.actor_devices:
+        for _ in range(args.num_actor_threads):
+            queues.append(queue.Queue(maxsize=1))
+            threads.append(threading.Thread(target=actor_thread, daemon=True, args=(
+                args, first + len(threads), device, layout.learner_devices, store, queues[-1], stop,
+                start_update, num_updates)))
+    for t in threads:
+        t.start()
+
+    print(f"{args.env_id}: {num_updates} updates of {batch:,} steps; actors {layout.actor_devices} x "
+          f"{args.num_actor_threads} threads x {args.local_num_envs} envs, learners {list(layout.mesh.devices)}")
+    row, window, learner_s = {}, [], {"queue_get_s": [], "update_s": []}
+    t_start = t_window = time.perf_counter()
+    steps_window, update = 0, start_update
+    try:
+        for update in range(start_update, num_updates):
+            start = time.perf_counter()
+            items = [get(q, stop, interrupted) for q in queues]
+            if any(item is None for item in items):
+                break
+            learner_s["queue_get_s"].append(time.perf_counter() - start)
+            start = time.perf_counter()
+            state, metrics = update_fn(state, assemble([parts for parts, _ in items], layout))
+            store.publish(update + 1, to_actors(state.params, layout))
+            metrics = jax.device_get(local(metrics))
+            learner_s["update_s"].append(time.perf_counter() - start)
+            if not all(np.isfinite(metrics)):
+                raise FloatingPointError(f"non-finite loss at update {update + 1} ({metrics}); "
+                                         "the last good checkpoint is left in place")
+            global_step += batch
+            steps_window += batch
+            window += [s for _, s in items]
+            if (update + 1) % args.log_every == 0 or update + 1 == num_updates:
+                now = time.perf_counter()
+                sps = steps_window / (now - t_window)
+                row = window_row(window, learner_s, update + 1, global_step, sps,
+                                 float(lr_at((update + 1) * args.update_epochs * args.num_minibatches)), metrics)
+                eta = (num_updates - update - 1) * (now - t_start) / (update + 1 - start_update)
+                ret = f"{row['charts/episodic_return']:.1f}" if "charts/episodic_return" in row else "-"
+                print(f"update {update + 1}/{num_updates} | step {global_step:,}/{num_updates * batch:,} "
+                      f"({global_step / (num_updates * batch):.0%}) | SPS {sps:,.0f} | return {ret} | "
+                      f"ETA {duration(eta)}", flush=True)
+                if writer is not None:
+                    for k, v in row.items():
+                        if k != "global_step":
+                            writer.add_scalar(k, v, global_step)
+                    with open(run_path / "metrics.jsonl", "a") as f:
+                        f.write(json.dumps(row) + "\n")
+                window, learner_s, steps_window, t_window = [], {k: [] for k in learner_s}, 0, now
+            if run_path is not None and (update + 1) % args.checkpoint_every == 0:
+                save(run_path / "checkpoint.npz", state, update + 1, global_step)
+        else:
+            update = num_updates
+    finally:
+        stop.set()
+    for t in threads:
+        t.join(timeout=10)
+    if run_path is not None:
+        save(run_path / "checkpoint.npz", state, update, global_step)
+        writer.close()
+    params = jax.device_get(local(state.params))
+    digest = hashlib.sha256(b"".join(np.ascontiguousarray(x).tobytes() for x in flat(params).values()))
+    print(f"checksum {digest.hexdigest()}", flush=True)
+    if interrupted.is_set():
+        print(f"interrupted at update {update}: checkpoint written to {run_path}", flush=True)
+        sys.exit(130)
+    return row
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))
