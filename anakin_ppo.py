@@ -113,7 +113,7 @@ class Args:
 DEFAULTS = {
     "CartPole-v1": dict(total_timesteps=500_000, learning_rate=2.5e-4, num_envs_per_device=4, num_steps=128,
                         num_epochs=4, num_minibatches=4, gamma=0.99, clip_vloss=True, ent_coef=0.01),
-    "Pendulum-v1": dict(total_timesteps=3_000_000, learning_rate=1e-3, num_envs_per_device=32, num_steps=128,
+    "Pendulum-v1": dict(total_timesteps=1_000_000, learning_rate=1e-3, num_envs_per_device=32, num_steps=128,
                         num_epochs=10, num_minibatches=32, gamma=0.95, clip_vloss=False, ent_coef=0.0),
 }
 
@@ -203,16 +203,19 @@ def env_reset(env, key):
     return EnvState(inner, jnp.int32(0), jnp.float32(0), jnp.int32(0)), env.observe(inner)
 
 
-def env_step(env, state, action, key):
-    """Step one env with its time limit, resetting it automatically when an episode ends."""
+def env_step(env, state, action, fresh):
+    """Step one env with its time limit; where an episode ends, continue from `fresh`.
+
+    `fresh` = env_reset(env, key), drawn by the caller (in bulk: cheaper than one draw a step).
+    """
     inner, reward, terminated = env.step(state.inner, action)
     t, ep_return = state.t + 1, state.ep_return + reward
     truncated = t >= env.max_steps
     done = terminated | truncated
     final_obs = env.observe(inner)
-    fresh, first_obs = env_reset(env, key)
+    fresh_state, first_obs = fresh
     cont = EnvState(inner, t, ep_return, t)
-    state = jax.tree.map(lambda a, b: jnp.where(done, a, b), fresh, cont)
+    state = jax.tree.map(lambda a, b: jnp.where(done, a, b), fresh_state, cont)
     obs = jnp.where(done, first_obs, final_obs)
     ended = Step(obs, final_obs, reward, terminated, truncated, jnp.where(done, ep_return, 0.0), jnp.where(done, t, 0))
     return state, ended
@@ -270,10 +273,17 @@ def gaussian_entropy(mean, log_std):
     return jnp.sum(jnp.broadcast_to(0.5 + 0.5 * math.log(2 * math.pi) + log_std, mean.shape), axis=-1)
 
 
-def sample(key, params, out):
+def draw_noise(key, params, shape):
+    """The randomness of `sample`, drawn ahead for many steps at once: [..., A]."""
+    if "log_std" in params:
+        return jax.random.normal(key, shape)
+    return jax.random.gumbel(key, shape)
+
+
+def sample(params, out, noise):
     if "log_std" in params:  # unclipped: the env clips, the loss sees the action drawn
-        return out + jnp.exp(params["log_std"]) * jax.random.normal(key, out.shape)
-    return jax.random.categorical(key, out)
+        return out + jnp.exp(params["log_std"]) * noise
+    return jnp.argmax(out + noise, axis=-1)  # the Gumbel-max trick: a draw from softmax(out)
 
 
 def log_prob(params, out, action):
@@ -391,16 +401,23 @@ def init_runner(key, args, env, num_envs):
 
 def rollout(params, env_state, obs, key, args, env):
     """Act for `num_steps` in every env of this device; returns the trajectory, leaves [T, E, ...]."""
-    def act_and_step(carry, key):
+    num_envs = obs.shape[0]
+    k_act, k_reset = jax.random.split(key)
+    # All the rollout's randomness drawn up front, in two batched calls: action noise, and an
+    # episode start for every env and step (used only where an episode ends).
+    noise = draw_noise(k_act, params, (args.num_steps, num_envs, env.action_size))
+    resets = jax.random.split(k_reset, args.num_steps * num_envs).reshape(args.num_steps, num_envs, -1)
+    fresh = jax.vmap(jax.vmap(lambda k: env_reset(env, k)))(resets)
+
+    def act_and_step(carry, x):
         env_state, obs = carry
-        k_act, k_env = jax.random.split(key)
+        noise, fresh = x
         out, value = apply(params, obs)
-        action = sample(k_act, params, out)
-        keys = jax.random.split(k_env, obs.shape[0])
-        env_state, step = jax.vmap(lambda s, a, k: env_step(env, s, a, k))(env_state, action, keys)
+        action = sample(params, out, noise)
+        env_state, step = jax.vmap(lambda s, a, f: env_step(env, s, a, f))(env_state, action, fresh)
         return (env_state, step.obs), (obs, action, log_prob(params, out, action), value, step)
 
-    (env_state, obs), traj = jax.lax.scan(act_and_step, (env_state, obs), jax.random.split(key, args.num_steps))
+    (env_state, obs), traj = jax.lax.scan(act_and_step, (env_state, obs), (noise, fresh))
     return env_state, obs, traj
 
 
