@@ -1,0 +1,829 @@
+"""Sebulba: IMPALA with V-trace, on environments stepped by the host CPU.
+
+The Sebulba architecture of Podracer (Hessel et al. 2021, arXiv 2104.06272, section 4)
+running IMPALA (Espeholt et al. 2018, arXiv 1802.01561). Environments are anything the
+host can step: envpool ids (Atari `*-v5` with the IMPALA paper's protocol, classic
+control) or any id registered with gymnasium. Actor threads step their env batches and
+pick actions on actor devices; rollouts go straight to the learner devices, whose update
+is one `jit(shard_map(...))` over the learner devices of every host.
+
+  host CPU (per host)              actor devices               learner devices (every host)
+  -----------------------------    ------------------------    --------------------------------
+  actor thread: B envs ---obs----> policy(params, obs, key)
+               (envpool/gym) <-action-  sampling inside the jit
+  (--num-actor-threads per actor device, each with --local-num-envs envs; while one
+   thread waits on its envs another runs its policy)
+
+  rollout: T+1 obs (x_T is carried into the next rollout), T actions, logits, rewards
+  split along the env axis, device_put straight onto the learner devices:
+       B/L envs ---------------------------------------------> learner device 0 -+ bounded
+       B/L envs ---------------------------------------------> learner device 1 -+ queue
+                                                               update = jit(shard_map(...)):
+                                                               V-trace loss, gradients
+                                                               summed over the mesh, RMSProp
+  new params <---------------- copied to every actor device after each update: actors act
+                               with params at most one update old (logged as
+                               stats/param_lag); V-trace corrects for that lag.
+
+  python sebulba_impala.py --env-id CartPole-v1
+  python sebulba_impala.py --env-id Pong-v5 --actor-device-ids 0 --learner-device-ids 1 2 3
+  python sebulba_impala.py --env-id Breakout-v5 --distributed   # once per host (SLURM, TPU pods)
+"""
+
+import dataclasses
+import difflib
+import hashlib
+import importlib
+import json
+import os
+import queue
+import sys
+import threading
+import time
+import traceback
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import tyro
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import envpool
+import gymnasium as gym
+from tensorboardX import SummaryWriter
+
+# envpool's classic-control specs trip a harmless gymnasium warning about float64 bounds.
+warnings.filterwarnings("ignore", message=".*precision lowered.*")
+
+
+@dataclass
+class Args:
+    env_id: str = "Breakout-v5"
+    """an envpool id (Atari `*-v5`, `CartPole-v1`, ...) or any gymnasium id (`module:Name-v0` imports `module` first)"""
+    exp_name: str = Path(__file__).stem
+    """name of the experiment, part of the run folder's name"""
+    seed: int = 1
+    """one integer seeds the network, the action sampling and the environments"""
+    total_timesteps: int | None = None
+    """environment steps over all envs, devices and hosts (default: 10M for images, 300k for vectors)"""
+    learning_rate: float | None = None
+    """RMSProp step size (default: 6e-4 for images, the IMPALA paper's; 5e-3 for vectors)"""
+    anneal_lr: bool = True
+    """decay the learning rate linearly to 0 over the run (IMPALA paper)"""
+    local_num_envs: int | None = None
+    """envs per actor thread (default: 32 for images, 16 for vectors)"""
+    num_steps: int | None = None
+    """rollout length T, the unroll of the IMPALA paper (default: 20 for images, 16 for vectors)"""
+    num_actor_threads: int = 2
+    """Python actor threads per actor device, each stepping its own env batch"""
+    actor_device_ids: list[int] | None = None
+    """local device indices that act (default: [0])"""
+    learner_device_ids: list[int] | None = None
+    """local device indices that learn (default: the other local devices, or [0] when there is one)"""
+    gamma: float = 0.99
+    """discount factor"""
+    vtrace_lambda: float = 1.0
+    """lambda of V-trace's trace coefficients c_t = lambda * min(1, pi/mu)"""
+    ent_coef: float | None = None
+    """entropy bonus coefficient (default: 0.01)"""
+    vf_coef: float = 0.5
+    """baseline (value) loss coefficient (IMPALA paper: 0.5)"""
+    max_grad_norm: float = 40.0
+    """clip gradients to this global norm (IMPALA paper: 40)"""
+    rmsprop_eps: float | None = None
+    """RMSProp epsilon, inside the square root (default: 0.01, the IMPALA paper's, for images; 1e-5 for vectors)"""
+    machado: bool = False
+    """Atari only: Machado et al. (2018) protocol: sticky actions 0.25, full action set, no life loss, no no-op starts"""
+    log_every: int | None = None
+    """write a metrics row and a progress line every this many updates (default: 10 images, 40 vectors)"""
+    checkpoint_every: int = 100
+    """write checkpoint.npz every this many updates (one is always written at the end)"""
+    resume: str | None = None
+    """path of a checkpoint.npz to continue from"""
+    run_dir: str = "runs"
+    """parent folder of the run folders"""
+    distributed: bool = False
+    """call jax.distributed.initialize() (multi-host: each host runs its own actors)"""
+    coordinator_address: str | None = None
+    """host:port of process 0, for jax.distributed.initialize"""
+    num_processes: int | None = None
+    """number of processes, for jax.distributed.initialize"""
+    process_id: int | None = None
+    """this process's index, for jax.distributed.initialize"""
+
+
+# Defaults that depend on the observations. Images: the IMPALA paper's Atari settings
+# (Espeholt et al. 2018, appendix G: unroll 20, lr 6e-4, entropy 0.01, RMSProp eps 0.01).
+# Vectors (CartPole and friends): RMSProp moves each weight by about one step size per
+# update, and CartPole's values grow to ~100 (reward 1 a step, gamma 0.99), so the value
+# head needs a large step size, many small updates and an epsilon below the MLP's tiny
+# gradients. Measured here: CartPole reaches its 500 cap well inside 300k steps (seeds
+# 1 and 2), about 45 s on a busy 2-core CPU.
+DEFAULTS = {
+    "image": dict(total_timesteps=10_000_000, learning_rate=6e-4, local_num_envs=32, num_steps=20,
+                  ent_coef=0.01, rmsprop_eps=0.01, log_every=10),
+    "vector": dict(total_timesteps=300_000, learning_rate=5e-3, local_num_envs=16, num_steps=16,
+                   ent_coef=0.01, rmsprop_eps=1e-5, log_every=40),
+}
+
+
+def fail(flag, value, valid):
+    """Bad input: one line naming the flag, the value and what would be valid; exit status 2."""
+    print(f"error: {flag} {value!r}: {valid}", flush=True)
+    sys.exit(2)
+
+
+# ---------------------------------------------------------------------------------------
+# Environments, stepped on the host (Sebulba's point: any environment the host can run).
+
+
+class EnvInfo(NamedTuple):
+    source: str  # "envpool" or "gymnasium"
+    atari: bool  # envpool Atari: IMPALA protocol; info["reward"] is the unclipped score
+    obs_shape: tuple  # images are [C, H, W] (envpool's layout)
+    num_actions: int
+
+
+def atari_kwargs(machado):
+    """envpool settings. IMPALA paper: life loss ends a training episode, rewards clipped to
+    [-1, 1], 30 no-op starts (frame skip 4, 4-frame stack, 84x84 grey are envpool's defaults)."""
+    if machado:  # Machado et al. 2018: stochasticity from sticky actions instead of no-ops
+        return dict(episodic_life=False, reward_clip=True, noop_max=0,
+                    repeat_action_probability=0.25, full_action_space=True)
+    return dict(episodic_life=True, reward_clip=True, noop_max=30)
+
+
+def describe_env(env_id, machado):
+    """Find the id in envpool or gymnasium and check its spaces, without starting an env
+    (gymnasium ids are built once, not stepped, since their spaces need an instance)."""
+    if env_id in envpool.list_all_envs():
+        spec = envpool.make_spec(env_id)
+        atari = hasattr(spec.config, "episodic_life")
+        if atari:
+            spec = envpool.make_spec(env_id, **atari_kwargs(machado))
+        obs_space, act_space, source = spec.observation_space, spec.action_space, "envpool"
+    else:
+        module, _, name = env_id.rpartition(":")
+        try:
+            importlib.import_module(module) if module else None
+        except ImportError as err:
+            fail("--env-id", env_id, f"cannot import module {module!r} ({err})")
+        if name not in gym.registry:
+            close = difflib.get_close_matches(name, [*envpool.list_all_envs(), *gym.registry], n=3)
+            fail("--env-id", env_id, f"unknown environment; close matches: {', '.join(close) or 'none'}")
+        probe = gym.make(name)
+        obs_space, act_space, source, atari = probe.observation_space, probe.action_space, "gymnasium", False
+        probe.close()
+    if machado and not atari:
+        fail("--machado", True, f"only Atari ids take it, not {env_id}")
+    if not isinstance(act_space, gym.spaces.Discrete):
+        fail("--env-id", env_id, f"needs a discrete action space, not {act_space}")
+    if not isinstance(obs_space, gym.spaces.Box) or len(obs_space.shape) not in (1, 3):
+        fail("--env-id", env_id, f"needs a vector or image observation space, not {obs_space}")
+    shape = obs_space.shape
+    if source == "gymnasium" and len(shape) == 3:  # gymnasium images are [H, W, C]
+        shape = (shape[2], shape[0], shape[1])
+    return EnvInfo(source, atari, tuple(shape), int(act_space.n))
+
+
+def make_envs(env_id, env, num_envs, seed, machado):
+    if env.source == "envpool":
+        kwargs = atari_kwargs(machado) if env.atari else {}
+        return envpool.make(env_id, env_type="gymnasium", num_envs=num_envs, seed=seed, **kwargs)
+    # gymnasium's vector envs autoreset on the next step by default, like envpool.
+    return gym.make_vec(env_id.rpartition(":")[2], num_envs=num_envs, vectorization_mode="sync")
+
+
+def host_obs(obs, env):
+    if env.source == "gymnasium" and obs.ndim == 4:
+        obs = np.moveaxis(obs, -1, 1)  # [B, H, W, C] -> [B, C, H, W]
+    return obs.astype(np.float32) if obs.dtype == np.float64 else obs
+
+
+def reset_envs(envs, env, seed):
+    obs, _ = envs.reset() if env.source == "envpool" else envs.reset(seed=seed)
+    return host_obs(obs, env)
+
+
+class Step(NamedTuple):
+    obs: np.ndarray  # [B, *obs_shape] next observation
+    reward: np.ndarray  # [B] training reward (Atari: clipped to [-1, 1])
+    terminated: np.ndarray  # [B] the episode ended for training (Atari: also a life lost): no bootstrap
+    ended: np.ndarray  # [B] terminated or truncated: the next step is the env's reset step
+    score: np.ndarray  # [B] the game's own reward (Atari: unclipped)
+    game_over: np.ndarray  # [B] the whole game ended (Atari: last life lost) or was truncated
+
+
+def env_step(envs, env, actions):
+    obs, reward, terminated, truncated, info = envs.step(actions)
+    if env.atari:  # the true game: unclipped reward, ends when all lives are gone
+        score, game_over = info["reward"], info["terminated"].astype(bool) | truncated
+    else:
+        score, game_over = reward, terminated | truncated
+    return Step(host_obs(obs, env), reward.astype(np.float32), terminated, terminated | truncated,
+                score, game_over)
+
+
+class ActorState(NamedTuple):
+    obs: np.ndarray  # [B, *obs_shape] x_t
+    ended: np.ndarray  # [B] x_t is an episode's last observation: step t is a reset step
+    returns: np.ndarray  # [B] score of the current game so far
+    lengths: np.ndarray  # [B] agent steps of the current game so far
+
+
+def track_episodes(state, step):
+    """Whole-game scores and lengths; returns the new state and the (scores, lengths) of
+    games that ended on this step. A reset step (after any episode end, life loss included)
+    ignores the action, so it is no step of any game."""
+    returns = state.returns + step.score
+    lengths = state.lengths + ~state.ended
+    over = step.game_over
+    new = ActorState(step.obs, step.ended, np.where(over, 0.0, returns), np.where(over, 0, lengths))
+    return new, (returns[over], lengths[over])
+
+
+# ---------------------------------------------------------------------------------------
+# Network: the IMPALA paper's deep ResNet (figure 3, without the LSTM) for images, an MLP
+# for vectors, chosen from the observation shape.
+
+IMPALA_CHANNELS = (16, 32, 32)
+
+
+def dense_init(key, n_in, n_out, scale):
+    return {"w": jax.nn.initializers.orthogonal(scale)(key, (n_in, n_out)), "b": jnp.zeros(n_out)}
+
+
+def conv_init(key, c_in, c_out):
+    return {"w": jax.nn.initializers.he_normal()(key, (3, 3, c_in, c_out)), "b": jnp.zeros(c_out)}
+
+
+def init_params(key, obs_shape, num_actions):
+    keys = iter(jax.random.split(key, 32))
+    params = {}
+    if len(obs_shape) == 3:
+        c_in, (h, w) = obs_shape[0], obs_shape[1:]
+        for i, c in enumerate(IMPALA_CHANNELS):  # conv, max-pool, two residual blocks
+            params[f"stack{i}"] = {"conv": conv_init(next(keys), c_in, c),
+                                   **{f"res{j}": conv_init(next(keys), c, c) for j in range(4)}}
+            c_in, h, w = c, -(-h // 2), -(-w // 2)
+        params["torso"], hidden = dense_init(next(keys), h * w * c_in, 256, np.sqrt(2)), 256
+    else:
+        for head in ("policy", "value"):  # two MLPs: a shared torso lets value errors swamp the policy
+            params[f"{head}_hidden0"] = dense_init(next(keys), obs_shape[0], 64, np.sqrt(2))
+            params[f"{head}_hidden1"] = dense_init(next(keys), 64, 64, np.sqrt(2))
+        hidden = 64
+    params["policy"] = dense_init(next(keys), hidden, num_actions, 0.01)
+    params["value"] = dense_init(next(keys), hidden, 1, 1.0)
+    return params
+
+
+def dense(p, x):
+    return x @ p["w"] + p["b"]
+
+
+def conv(p, x):  # x [N, H, W, C]; 3x3, stride 1, same padding
+    return jax.lax.conv_general_dilated(x, p["w"], (1, 1), "SAME",
+                                        dimension_numbers=("NHWC", "HWIO", "NHWC")) + p["b"]
+
+
+def max_pool(x):  # 3x3 window, stride 2, same padding
+    return jax.lax.reduce_window(x, -jnp.inf, jax.lax.max, (1, 3, 3, 1), (1, 2, 2, 1), "SAME")
+
+
+def resnet_torso(params, obs):  # obs [N, C, H, W] uint8 -> [N, 256]
+    x = jnp.transpose(obs, (0, 2, 3, 1)).astype(jnp.float32) / 255.0
+    for i in range(len(IMPALA_CHANNELS)):
+        p = params[f"stack{i}"]
+        x = max_pool(conv(p["conv"], x))
+        for j in (0, 2):  # residual block: x + conv(relu(conv(relu(x))))
+            x = x + conv(p[f"res{j + 1}"], jax.nn.relu(conv(p[f"res{j}"], jax.nn.relu(x))))
+    x = jax.nn.relu(x).reshape(x.shape[0], -1)
+    return jax.nn.relu(dense(params["torso"], x))
+
+
+def mlp_torso(params, obs, head):  # obs [N, D] -> [N, 64]
+    return jnp.tanh(dense(params[f"{head}_hidden1"], jnp.tanh(dense(params[f"{head}_hidden0"], obs))))
+
+
+def apply(params, obs):
+    """obs [..., *obs_shape] -> (policy logits [..., A], value [...])."""
+    image = "stack0" in params
+    batch_shape = obs.shape[: obs.ndim - (3 if image else 1)]
+    x = obs.reshape(-1, *obs.shape[len(batch_shape):])
+    if image:
+        h = resnet_torso(params, x)
+        logits, value = dense(params["policy"], h), dense(params["value"], h)[:, 0]
+    else:
+        logits = dense(params["policy"], mlp_torso(params, x, "policy"))
+        value = dense(params["value"], mlp_torso(params, x, "value"))[:, 0]
+    return logits.reshape(*batch_shape, -1), value.reshape(batch_shape)
+
+
+# ---------------------------------------------------------------------------------------
+# Loss: V-trace (IMPALA paper, section 4.1, rho-bar = c-bar = 1), policy gradient with
+# V-trace advantages, baseline loss and entropy bonus.
+
+
+class Rollout(NamedTuple):
+    obs: np.ndarray  # [T+1, B, *obs_shape] x_0..x_T; x_T bootstraps and starts the next rollout
+    actions: np.ndarray  # [T, B] int32
+    logits: np.ndarray  # [T, B, A] behaviour policy mu (the actor's params)
+    rewards: np.ndarray  # [T, B]
+    terminated: np.ndarray  # [T, B] 1.0: the episode ended after step t, no bootstrap
+    valid: np.ndarray  # [T, B] 0.0: x_t is an episode's last obs, step t is the env's reset step
+
+
+class VTrace(NamedTuple):
+    vs: jax.Array  # [T, B] value targets v_s
+    pg_advantages: jax.Array  # [T, B] rho_s (r_s + gamma_s v_{s+1} - V(x_s))
+
+
+def vtrace(values, rewards, discounts, rhos, valid, lambda_, rho_bar=1.0, c_bar=1.0):
+    """V-trace targets by the paper's recursion v_s - V(x_s) = delta_s + gamma_s c_s (v_{s+1} - V(x_{s+1})).
+
+    values [T+1, B] are V(x_0..x_T); the rest are [T, B]. discounts are gamma, or 0 where the
+    episode terminated (a time-limit truncation keeps gamma: x_{t+1} is then the final
+    observation, so it bootstraps from its value). A reset step (valid 0) contributes
+    nothing and cuts the trace, so no target reaches across an episode boundary.
+    """
+    clipped_rhos = jnp.minimum(rho_bar, rhos)
+    cs = lambda_ * jnp.minimum(c_bar, rhos)
+    deltas = valid * clipped_rhos * (rewards + discounts * values[1:] - values[:-1])
+
+    def backward(correction, x):  # correction = v_{s+1} - V(x_{s+1})
+        delta, discount, c, ok = x
+        correction = delta + ok * discount * c * correction
+        return correction, correction
+
+    _, corrections = jax.lax.scan(backward, jnp.zeros_like(values[-1]),
+                                  (deltas, discounts, cs, valid), reverse=True)
+    vs = values[:-1] + corrections
+    vs_next = jnp.concatenate([vs[1:], values[-1:]])
+    pg_advantages = valid * clipped_rhos * (rewards + discounts * vs_next - values[:-1])
+    return VTrace(jax.lax.stop_gradient(vs), jax.lax.stop_gradient(pg_advantages))
+
+
+class LossInfo(NamedTuple):
+    loss: jax.Array
+    policy_loss: jax.Array
+    value_loss: jax.Array
+    entropy: jax.Array
+
+
+def impala_loss(params, batch, num_valid, gamma, lambda_, vf_coef, ent_coef):
+    """The IMPALA loss as sums over this batch's valid steps divided by `num_valid`, the
+    valid steps of the whole global batch, so that summing across devices gives the mean."""
+    logits, values = apply(params, batch.obs)  # [T+1, B, A], [T+1, B]
+    logp = jax.nn.log_softmax(logits[:-1])
+    logp_taken = jnp.take_along_axis(logp, batch.actions[..., None], -1)[..., 0]
+    mu_taken = jnp.take_along_axis(jax.nn.log_softmax(batch.logits), batch.actions[..., None], -1)[..., 0]
+    rhos = jnp.exp(logp_taken - mu_taken)  # pi / mu, importance weights of the lag
+    targets = vtrace(values, batch.rewards, gamma * (1.0 - batch.terminated), rhos, batch.valid, lambda_)
+    policy_loss = -jnp.sum(batch.valid * logp_taken * targets.pg_advantages) / num_valid
+    value_loss = 0.5 * jnp.sum(batch.valid * (targets.vs - values[:-1]) ** 2) / num_valid
+    entropy = -jnp.sum(batch.valid * jnp.sum(jnp.exp(logp) * logp, -1)) / num_valid
+    loss = policy_loss + vf_coef * value_loss - ent_coef * entropy
+    return loss, LossInfo(loss, policy_loss, value_loss, entropy)
+
+
+# ---------------------------------------------------------------------------------------
+# Acting (actor threads on actor devices) and learning (jit + shard_map over the learner
+# mesh): Sebulba's device mapping, paper section 4.
+
+
+class TrainState(NamedTuple):
+    params: dict
+    opt_state: optax.OptState
+
+
+def make_optimizer(args, num_updates):
+    # IMPALA paper: RMSProp (decay 0.99, no momentum), global-norm clipping, linear decay to 0.
+    lr = optax.linear_schedule(args.learning_rate, 0.0, num_updates) if args.anneal_lr else args.learning_rate
+    return optax.chain(optax.clip_by_global_norm(args.max_grad_norm),
+                       optax.rmsprop(lr, decay=0.99, eps=args.rmsprop_eps))
+
+
+def sample_action(params, obs, key):
+    """The actor's jitted policy: sampling happens on the actor device."""
+    key, subkey = jax.random.split(key)
+    logits, _ = apply(params, obs)
+    return jax.random.categorical(subkey, logits).astype(jnp.int32), logits, key
+
+
+def make_learner(args, mesh, optimizer):
+    """One update per call over every learner device of every host. Runs with
+    check_vma=False, so the gradient computed inside the body is this device's own; the
+    explicit psum then adds the devices' shares of the global mean."""
+    hyper = dict(gamma=args.gamma, lambda_=args.vtrace_lambda, vf_coef=args.vf_coef, ent_coef=args.ent_coef)
+
+    def update(state, batch):  # batch: this device's B/L envs of every actor thread
+        num_valid = jnp.maximum(jax.lax.psum(batch.valid.sum(), "devices"), 1.0)
+        grads, info = jax.grad(impala_loss, has_aux=True)(state.params, batch, num_valid, **hyper)
+        grads, info = jax.lax.psum((grads, info), "devices")
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        return TrainState(optax.apply_updates(state.params, updates), opt_state), info
+
+    env_axis = Rollout(*[P(None, "devices")] * len(Rollout._fields))
+    return jax.jit(jax.shard_map(update, mesh=mesh, in_specs=(P(), env_axis), out_specs=(P(), P()),
+                                 check_vma=False))
+
+
+class Stopped(Exception):
+    """Another thread failed or the run was interrupted."""
+
+
+def put(q, item, stop):  # bounded queues: wait, but never past a stop
+    while not stop.is_set():
+        try:
+            return q.put(item, timeout=0.5)
+        except queue.Full:
+            pass
+    raise Stopped
+
+
+def get(q, stop):
+    while not stop.is_set():
+        try:
+            return q.get(timeout=0.5)
+        except queue.Empty:
+            pass
+    raise Stopped
+
+
+def local(x):  # this host's copy of a replicated array
+    return x.addressable_data(0) if isinstance(x, jax.Array) else x
+
+
+class ParamStore:
+    """The newest learner parameters, one copy per actor device, and their version (the
+    number of updates applied). A lock-owning object, so a small class."""
+
+    def __init__(self, actor_devices):
+        self.devices, self.copies, self.version = actor_devices, None, -1
+        self.cond = threading.Condition()
+
+    def publish(self, params, version):
+        copies = [jax.device_put(jax.tree.map(local, params), d) for d in self.devices]
+        with self.cond:
+            self.copies, self.version = copies, version
+            self.cond.notify_all()
+
+    def wait(self, device_index, min_version, stop):
+        with self.cond:
+            while self.version < min_version and not stop.is_set():
+                self.cond.wait(timeout=0.5)
+            if stop.is_set():
+                raise Stopped
+            return self.copies[device_index], self.version
+
+
+class Payload(NamedTuple):  # what an actor thread sends the learner per rollout
+    shards: list  # one Rollout per local learner device, already on that device
+    version: int  # version of the params that acted
+    scores: np.ndarray  # whole-game scores of games that ended in this rollout
+    lengths: np.ndarray
+    env_time: float  # seconds in env.step
+    inference_time: float  # seconds in the policy (incl. fetching actions)
+    rollout_time: float
+    queue_wait: float  # seconds the previous put waited for room in the queue
+
+
+def collect_rollout(envs, env, policy, params, key, state, num_steps):
+    obs, trajectory, finished = [state.obs], [], []
+    env_time = inference_time = 0.0
+    for _ in range(num_steps):
+        start = time.perf_counter()
+        action, logit, key = policy(params, state.obs, key)
+        action, logit = jax.device_get((action, logit))
+        inference_time += time.perf_counter() - start
+        start = time.perf_counter()
+        step = env_step(envs, env, action)
+        env_time += time.perf_counter() - start
+        trajectory.append((action, logit, step.reward, step.terminated, ~state.ended))
+        obs.append(step.obs)
+        state, done = track_episodes(state, step)
+        finished.append(done)
+    actions, logits, rewards, terminated, valid = (np.stack(x) for x in zip(*trajectory))
+    rollout = Rollout(np.stack(obs), actions, logits, rewards, terminated.astype(np.float32),
+                      valid.astype(np.float32))
+    scores, lengths = (np.concatenate(x) for x in zip(*finished))
+    return rollout, state, key, (scores, lengths, env_time, inference_time)
+
+
+def run_actor(args, env, store, stop, out, device_index, learner_devices, seed, key, updates):
+    """One actor thread: its own envs, acting on actor device `device_index`."""
+    device = store.devices[device_index]
+    envs = make_envs(args.env_id, env, args.local_num_envs, seed, args.machado)
+    policy = jax.jit(sample_action)
+    key = jax.device_put(key, device)
+    n = args.local_num_envs
+    state = ActorState(reset_envs(envs, env, seed), np.zeros(n, bool), np.zeros(n), np.zeros(n, int))
+    queue_wait, width = 0.0, n // len(learner_devices)
+    try:
+        for update in updates:
+            # Act with params at most one update old: rollout u may start once update u-2 is done.
+            params, version = store.wait(device_index, update - 2, stop)
+            start = time.perf_counter()
+            rollout, state, key, (scores, lengths, env_time, infer_time) = collect_rollout(
+                envs, env, policy, params, key, state, args.num_steps)
+            shards = [jax.device_put(jax.tree.map(lambda x: x[:, i * width:(i + 1) * width], rollout), d)
+                      for i, d in enumerate(learner_devices)]  # split along envs, straight to learners
+            payload = Payload(shards, version, scores, lengths, env_time, infer_time,
+                              time.perf_counter() - start, queue_wait)
+            start = time.perf_counter()
+            put(out, payload, stop)
+            queue_wait = time.perf_counter() - start
+    finally:
+        envs.close()
+
+
+def guarded(fn, stop, errors):
+    """Run `fn` in a thread; on an exception keep its traceback and stop everything."""
+    def run(*fn_args):
+        try:
+            fn(*fn_args)
+        except Stopped:
+            pass
+        except BaseException:
+            errors.append(f"in thread {threading.current_thread().name}:\n{traceback.format_exc()}")
+            stop.set()
+    return run
+
+
+class Layout(NamedTuple):
+    actor_devices: list  # this host's acting devices
+    learner_devices: list  # this host's learner devices (its shards of the mesh)
+    mesh: Mesh  # every host's learner devices, one axis "devices"
+
+
+def device_layout(args):
+    devices = sorted(jax.local_devices(), key=lambda d: d.id)
+    n = len(devices)
+    actor_ids = args.actor_device_ids if args.actor_device_ids is not None else [0]
+    learner_ids = args.learner_device_ids
+    if learner_ids is None:
+        learner_ids = [0] if n == 1 else [i for i in range(n) if i not in actor_ids]
+    for flag, ids in (("--actor-device-ids", actor_ids), ("--learner-device-ids", learner_ids)):
+        if not ids or len(set(ids)) != len(ids) or not all(0 <= i < n for i in ids):
+            fail(flag, ids, f"distinct indices of the {n} local devices, 0..{n - 1}")
+    if n > 1 and set(actor_ids) & set(learner_ids):
+        fail("--learner-device-ids", learner_ids, f"must not reuse actor devices {actor_ids} when {n} devices exist")
+    if args.local_num_envs % len(learner_ids):
+        fail("--local-num-envs", args.local_num_envs, f"a multiple of the {len(learner_ids)} learner devices")
+    hosts = [sorted((d for d in jax.devices() if d.process_index == p), key=lambda d: d.id)
+             for p in range(jax.process_count())]
+    mesh = Mesh(np.array([host[i] for host in hosts for i in learner_ids]), ("devices",))
+    print(f"actor devices {actor_ids} x {args.num_actor_threads} threads | learner devices {learner_ids}"
+          f" | {len(hosts)} host(s), {mesh.size} learner devices in all", flush=True)
+    return Layout([devices[i] for i in actor_ids], [devices[i] for i in learner_ids], mesh)
+
+
+def to_learner_batch(payloads, sharding):
+    """This host's rollouts -> one global batch sharded along envs over the whole mesh."""
+    per_device = [jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=1), *shards) if len(shards) > 1
+                  else shards[0] for shards in zip(*(p.shards for p in payloads))]
+
+    def global_array(*pieces):
+        shape = (pieces[0].shape[0], pieces[0].shape[1] * sharding.mesh.size, *pieces[0].shape[2:])
+        return jax.make_array_from_single_device_arrays(shape, sharding, list(pieces))
+
+    return jax.tree.map(global_array, *per_device)
+
+
+# ---------------------------------------------------------------------------------------
+# Plumbing: arguments, checkpoints, logging.
+
+
+def resolve_args(args):
+    """Fill the per-family defaults and check the counts; exits with status 2 on bad input."""
+    env = describe_env(args.env_id, args.machado)
+    family = DEFAULTS["image" if len(env.obs_shape) == 3 else "vector"]
+    args = dataclasses.replace(args, **{k: v for k, v in family.items() if getattr(args, k) is None})
+    for flag in ("local_num_envs", "num_steps", "num_actor_threads", "log_every"):
+        if getattr(args, flag) < 1:
+            fail(f"--{flag.replace('_', '-')}", getattr(args, flag), "a positive integer")
+    if args.checkpoint_every < 0:
+        fail("--checkpoint-every", args.checkpoint_every, "0 (only at the end) or a positive integer")
+    if args.resume is not None and not Path(args.resume).is_file():
+        fail("--resume", args.resume, "the path of an existing checkpoint.npz")
+    return args, env
+
+
+def tree_arrays(tree):  # {key path: host array}, the checkpoint's naming
+    flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+    return {jax.tree_util.keystr(p, simple=True, separator="/"): np.asarray(local(x)) for p, x in flat}
+
+
+def save_checkpoint(path, tree):
+    tmp = path.with_name("checkpoint.tmp.npz")
+    np.savez(tmp, **tree_arrays(tree))
+    os.replace(tmp, path)  # never a torn checkpoint
+
+
+def load_checkpoint(path, template):
+    """Arrays of `path` in the structure of `template` (shapes and dtypes checked)."""
+    flat, treedef = jax.tree_util.tree_flatten_with_path(template)
+    with np.load(path, allow_pickle=False) as data:
+        leaves = []
+        for p, like in flat:
+            name = jax.tree_util.keystr(p, simple=True, separator="/")
+            if name not in data or data[name].shape != like.shape:
+                fail("--resume", str(path), f"does not match this run's network/optimizer (at {name})")
+            leaves.append(data[name].astype(like.dtype))
+    return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def checksum(params):
+    digest = hashlib.sha256()
+    for x in tree_arrays(params).values():
+        digest.update(x.tobytes())
+    return digest.hexdigest()
+
+
+def duration(seconds):
+    minutes, seconds = divmod(int(seconds), 60)
+    return f"{minutes // 60}h{minutes % 60:02d}m" if minutes >= 60 else f"{minutes}m{seconds:02d}s"
+
+
+def summarize(window, global_step, lr):
+    """A metrics row from the log window's lists (timings are per rollout / per update)."""
+    mean = lambda k: float(np.mean(window[k])) if len(window[k]) else float("nan")  # noqa: E731
+    row = {"global_step": global_step, "charts/SPS": window["steps"] / max(time.time() - window["start"], 1e-9),
+           "charts/learning_rate": lr}
+    if len(window["scores"]):
+        row["charts/episodic_return"] = mean("scores")
+        row["charts/episodic_length"] = mean("lengths")
+    for name in ("loss", "policy_loss", "value_loss", "entropy"):
+        row[f"losses/{name}"] = mean(name)
+    for name in ("env_step_time", "inference_time", "rollout_time", "actor_queue_wait",
+                 "learner_queue_wait", "learner_time"):
+        row[f"stats/{name}"] = mean(name)
+    row["stats/param_lag"] = float(np.max(window["lag"]))
+    return row
+
+
+def main(args: Args) -> dict:
+    args, env = resolve_args(args)
+    if args.distributed:
+        jax.distributed.initialize(args.coordinator_address, args.num_processes, args.process_id)
+    layout = device_layout(args)
+    pid, hosts = jax.process_index(), jax.process_count()
+    threads_per_host = len(layout.actor_devices) * args.num_actor_threads
+    steps_per_update = args.num_steps * args.local_num_envs * threads_per_host * hosts
+    num_updates = args.total_timesteps // steps_per_update
+    if num_updates < 1:
+        fail("--total-timesteps", args.total_timesteps, f"at least one update: {steps_per_update:,} steps")
+
+    # The learner's state, replicated over the mesh (every host builds the same one from the seed).
+    optimizer = make_optimizer(args, num_updates)
+    key = jax.random.key(args.seed)
+
+    def build():
+        params = init_params(key, env.obs_shape, env.num_actions)
+        return TrainState(params, optimizer.init(params))
+
+    start_update = 0
+    if args.resume:  # checked against this run's shapes before anything compiles
+        like = {"state": jax.eval_shape(build), "update": np.int64(0), "key": jax.random.key_data(key)}
+        ckpt = load_checkpoint(args.resume, like)
+        host_state, start_update, key = ckpt["state"], int(ckpt["update"]), jax.random.wrap_key_data(ckpt["key"])
+        if start_update >= num_updates:
+            fail("--total-timesteps", args.total_timesteps,
+                 f"more than the checkpoint's {start_update * steps_per_update:,} steps")
+    else:
+        host_state = jax.device_get(build())
+    replicated = NamedSharding(layout.mesh, P())
+    state = jax.tree.map(lambda x: jax.make_array_from_callback(np.shape(x), replicated, lambda i: np.asarray(x)[i]),
+                         host_state)
+    learn = make_learner(args, layout.mesh, optimizer)
+    batch_sharding = NamedSharding(layout.mesh, P(None, "devices"))
+
+    run_dir = Path(args.run_dir) / f"{args.env_id.replace(':', '_')}__{args.exp_name}__{args.seed}__{int(time.time())}"
+    writer = None
+    if pid == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "args.json").write_text(json.dumps(dataclasses.asdict(args), indent=2))
+        writer = SummaryWriter(str(run_dir))
+
+    # Actor threads: each has its envs, a bounded queue to the learner and a seed of its own.
+    store, stop, errors = ParamStore(layout.actor_devices), threading.Event(), []
+    store.publish(state.params, start_update)
+    queues, threads = [], []
+    updates = range(start_update + 1, num_updates + 1)
+    for t in range(threads_per_host):
+        index = pid * threads_per_host + t
+        queues.append(queue.Queue(maxsize=1))
+        thread_args = (args, env, store, stop, queues[-1], t // args.num_actor_threads, layout.learner_devices,
+                       args.seed + index * args.local_num_envs, jax.random.fold_in(jax.random.fold_in(key, start_update), index),
+                       updates)
+        threads.append(threading.Thread(target=guarded(run_actor, stop, errors), args=thread_args,
+                                        name=f"actor{t}", daemon=True))
+        threads[-1].start()
+
+    progress = {"state": state, "update": start_update}
+    ckpt_path = run_dir / "checkpoint.npz"
+
+    def save():  # the learner state, the update count and the run's RNG key
+        save_checkpoint(ckpt_path, {"state": progress["state"], "update": np.int64(progress["update"]),
+                                    "key": jax.random.key_data(key)})
+
+    try:
+        row = learner_loop(args, learn, progress, queues, store, stop, batch_sharding, writer, save, num_updates,
+                           steps_per_update)
+    except KeyboardInterrupt:
+        stop.set()
+        if pid == 0:
+            save()
+            writer.close()
+        print(f"interrupted at update {progress['update']}: checkpoint written to {ckpt_path}", flush=True)
+        abort(130)
+    except BaseException:
+        stop.set()
+        for thread in threads:
+            thread.join(timeout=5)
+        print("".join(errors) or traceback.format_exc(), file=sys.stderr, flush=True)
+        abort(1)
+    for thread in threads:
+        thread.join(timeout=30)
+    if pid == 0:
+        save()
+        writer.close()
+    print(f"checksum {checksum(progress['state'].params)}", flush=True)
+    return {**row, "run_dir": str(run_dir)}
+
+
+def abort(code):
+    """Exit now. Threads may sit inside envpool or XLA; a normal interpreter shutdown could
+    wait on them or race their teardown, so a failed or interrupted run ends with os._exit."""
+    sys.stdout.flush(), sys.stderr.flush()
+    os._exit(code)
+
+
+def learner_loop(args, learn, progress, queues, store, stop, sharding, writer, save, num_updates, steps_per_update):
+    window = new_window()
+    row = {}
+    for update in range(progress["update"] + 1, num_updates + 1):
+        start = time.perf_counter()
+        payloads = [get(q, stop) for q in queues]
+        window["learner_queue_wait"].append(time.perf_counter() - start)
+        start = time.perf_counter()
+        state, info = learn(progress["state"], to_learner_batch(payloads, sharding))
+        info = LossInfo(*(float(local(x)) for x in info))  # waits for the update
+        if not np.isfinite(info.loss):
+            raise FloatingPointError(f"non-finite loss {info.loss} at update {update}; the last checkpoint is kept")
+        progress.update(state=state, update=update)
+        store.publish(state.params, update)
+        window["learner_time"].append(time.perf_counter() - start)
+        record(window, payloads, info, update, steps_per_update)
+        global_step = update * steps_per_update
+        if update % args.log_every == 0 or update == num_updates:
+            lr = args.learning_rate * (1 - (update - 1) / num_updates if args.anneal_lr else 1.0)
+            row = summarize(window, global_step, lr)
+            log(row, writer, update, num_updates, args.total_timesteps, window)
+            window = new_window()
+        if writer is not None and args.checkpoint_every and update % args.checkpoint_every == 0:
+            save()
+    return row
+
+
+def new_window():
+    names = ("scores", "lengths", "loss", "policy_loss", "value_loss", "entropy", "env_step_time",
+             "inference_time", "rollout_time", "actor_queue_wait", "learner_queue_wait", "learner_time", "lag")
+    return {"start": time.time(), "steps": 0, **{name: [] for name in names}}
+
+
+def record(window, payloads, info, update, steps):
+    for name, value in info._asdict().items():
+        window[name].append(value)
+    for p in payloads:
+        window["scores"].extend(p.scores), window["lengths"].extend(p.lengths)
+        window["env_step_time"].append(p.env_time), window["inference_time"].append(p.inference_time)
+        window["rollout_time"].append(p.rollout_time), window["actor_queue_wait"].append(p.queue_wait)
+        window["lag"].append(update - 1 - p.version)  # learner's params version minus the actor's
+    window["steps"] += steps
+
+
+def log(row, writer, update, num_updates, total, window):
+    if writer is None:
+        return
+    for name, value in row.items():
+        if name != "global_step":
+            writer.add_scalar(name, value, row["global_step"])
+    with open(Path(writer.logdir) / "metrics.jsonl", "a") as f:
+        f.write(json.dumps(row) + "\n")
+    step = row["global_step"]
+    elapsed = time.time() - window["start"]
+    ret = f"{row['charts/episodic_return']:.1f}" if "charts/episodic_return" in row else "-"
+    eta = duration((num_updates - update) * elapsed / max(len(window["loss"]), 1))
+    print(f"update {update}/{num_updates} | step {step:,}/{total:,} ({step / total:.0%}) | "
+          f"SPS {row['charts/SPS']:,.0f} | return {ret} | ETA {eta}", flush=True)
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))

@@ -1,0 +1,350 @@
+"""Tests of sebulba_impala.py: V-trace and the loss against NumPy references of the IMPALA
+paper, episode bookkeeping against envpool's own counters, learning on CartPole, a custom
+gymnasium env, Atari device layouts, two hosts, faults, Ctrl-C and resume, bad input."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import checksum, command, error_line, load, run, run_two_hosts
+
+SCRIPT = "sebulba_impala.py"
+
+# Environments registered by the tests, imported by the script through `test_envs:Name-v0`.
+# Every episode of Fixed lasts 7 steps and scores 7; Crash raises inside an actor thread
+# after 40 steps; NanReward hands the learner a NaN reward after 40 steps. The last two
+# write the time of the fault so a test can bound how long the run takes to end after it.
+TEST_ENVS = '''
+import time
+import gymnasium as gym
+import numpy as np
+
+
+class Fixed(gym.Env):
+    observation_space = gym.spaces.Box(-1.0, 1.0, (3,), np.float32)
+    action_space = gym.spaces.Discrete(2)
+    fault = None
+
+    def reset(self, seed=None, options=None):
+        super().reset(seed=seed)
+        self.t, self.total = 0, getattr(self, "total", 0)
+        return np.full(3, 0.5, np.float32), {}
+
+    def step(self, action):
+        self.t, self.total = self.t + 1, self.total + 1
+        reward = 1.0
+        if self.fault and self.total > 40:
+            open("fault_time", "w").write(repr(time.time()))
+            if self.fault == "crash":
+                raise RuntimeError("injected actor fault")
+            reward = float("nan")
+        return np.full(3, self.t / 7, np.float32), reward, self.t == 7, False, {}
+
+
+class Crash(Fixed):
+    fault = "crash"
+
+
+class NanReward(Fixed):
+    fault = "nan"
+
+
+gym.register("Fixed-v0", entry_point=Fixed)
+gym.register("Crash-v0", entry_point=Crash)
+gym.register("NanReward-v0", entry_point=NanReward)
+'''
+
+
+@pytest.fixture
+def envs_path(tmp_path):
+    (tmp_path / "test_envs.py").write_text(TEST_ENVS)
+    return {"PYTHONPATH": str(tmp_path)}
+
+
+@pytest.fixture(scope="module")
+def impala():
+    return load(SCRIPT)
+
+
+def finite_losses(result):
+    for row in result.metrics:
+        for key in ("losses/loss", "losses/policy_loss", "losses/value_loss", "losses/entropy"):
+            assert np.isfinite(row[key]), row
+
+
+# --- V-trace and the loss, against the IMPALA paper's formulas in NumPy ------------------
+
+
+def vtrace_reference(values, rewards, discounts, rhos, valid, lam):
+    """IMPALA paper eq. (1) as its explicit sum:
+    v_s = V(x_s) + sum_t (prod_{i<t} gamma_i c_i) rho_t (r_t + gamma_t V(x_{t+1}) - V(x_t)),
+    summing until the episode's reset step (invalid steps are not learned from)."""
+    T, B = rewards.shape
+    rho, c = np.minimum(1.0, rhos), lam * np.minimum(1.0, rhos)
+    vs = values[:-1].copy()
+    for b in range(B):
+        for s in range(T):
+            weight = 1.0
+            for t in range(s, T):
+                if not valid[t, b]:
+                    break
+                vs[s, b] += weight * rho[t, b] * (rewards[t, b] + discounts[t, b] * values[t + 1, b] - values[t, b])
+                weight *= discounts[t, b] * c[t, b]
+    vs_next = np.concatenate([vs[1:], values[-1:]])
+    advantages = valid * rho * (rewards + discounts * vs_next - values[:-1])
+    return vs, advantages
+
+
+def random_rollout(rng, T, B):
+    """Random V-trace inputs with episode ends inside the rollout (both kinds) and the reset
+    step after each end marked invalid."""
+    terminated = rng.random((T, B)) < 0.1
+    truncated = rng.random((T, B)) < 0.05
+    ended = terminated | truncated
+    valid = np.ones((T, B), bool)
+    valid[1:] = ~ended[:-1]
+    return terminated, valid
+
+
+def test_vtrace_matches_the_papers_sum_with_clipping_and_episode_ends(impala):
+    rng = np.random.default_rng(0)
+    T, B, gamma, lam = 12, 6, 0.97, 0.9
+    terminated, valid = random_rollout(rng, T, B)
+    values = rng.normal(size=(T + 1, B))
+    rewards = rng.normal(size=(T, B))
+    rhos = np.exp(rng.normal(0.0, 0.8, size=(T, B)))
+    discounts = gamma * (1.0 - terminated)
+    assert (rhos > 1).mean() > 0.2 and (rhos < 1).mean() > 0.2 and (~valid).any() and terminated.any()
+
+    got = impala.vtrace(*(np.float32(x) for x in (values, rewards, discounts, rhos, valid)), lam)
+    vs, advantages = vtrace_reference(values, rewards, discounts, rhos, valid, lam)
+    np.testing.assert_allclose(got.vs, vs, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got.pg_advantages, advantages, rtol=1e-5, atol=1e-5)
+
+
+def test_vtrace_on_policy_with_lambda_one_is_the_discounted_return(impala):
+    # pi = mu and lambda = 1: v_s is the n-step return bootstrapped at the rollout's end.
+    T, gamma = 5, 0.9
+    values = np.arange(T + 1, dtype=np.float32)[:, None]
+    rewards = np.ones((T, 1), np.float32)
+    got = impala.vtrace(values, rewards, np.full((T, 1), gamma, np.float32), np.ones((T, 1), np.float32),
+                        np.ones((T, 1), np.float32), 1.0)
+    expected = [sum(gamma ** k for k in range(T - s)) + gamma ** (T - s) * T for s in range(T)]
+    np.testing.assert_allclose(got.vs[:, 0], expected, rtol=1e-6)
+
+
+def test_impala_loss_pieces_match_numpy(impala):
+    import jax
+
+    rng = np.random.default_rng(1)
+    T, B, A, gamma, lam, vf_coef, ent_coef = 6, 4, 3, 0.99, 0.95, 0.5, 0.01
+    params = impala.init_params(jax.random.key(0), (5,), A)
+    terminated, valid = random_rollout(rng, T, B)
+    batch = impala.Rollout(
+        obs=rng.normal(size=(T + 1, B, 5)).astype(np.float32), actions=rng.integers(0, A, (T, B)).astype(np.int32),
+        logits=rng.normal(size=(T, B, A)).astype(np.float32), rewards=rng.normal(size=(T, B)).astype(np.float32),
+        terminated=terminated.astype(np.float32), valid=valid.astype(np.float32))
+    _, info = impala.impala_loss(params, batch, valid.sum(), gamma, lam, vf_coef, ent_coef)
+
+    logits, values = (np.asarray(x, np.float64) for x in impala.apply(params, batch.obs))
+    logp = logits[:-1] - np.log(np.exp(logits[:-1]).sum(-1, keepdims=True))
+    mu = batch.logits - np.log(np.exp(batch.logits).sum(-1, keepdims=True))
+    taken = lambda x: np.take_along_axis(x, batch.actions[..., None], -1)[..., 0]  # noqa: E731
+    rhos = np.exp(taken(logp) - taken(mu))
+    vs, advantages = vtrace_reference(values, batch.rewards, gamma * (1 - terminated), rhos, valid, lam)
+    n = valid.sum()
+    policy_loss = -(valid * taken(logp) * advantages).sum() / n
+    value_loss = 0.5 * (valid * (vs - values[:-1]) ** 2).sum() / n
+    entropy = -(valid * (np.exp(logp) * logp).sum(-1)).sum() / n
+    np.testing.assert_allclose(
+        [info.policy_loss, info.value_loss, info.entropy, info.loss],
+        [policy_loss, value_loss, entropy, policy_loss + vf_coef * value_loss - ent_coef * entropy], rtol=1e-4)
+
+
+def test_image_observations_get_the_impala_resnet(impala):
+    import jax
+
+    params = impala.init_params(jax.random.key(0), (4, 84, 84), 6)
+    assert [params[f"stack{i}"]["conv"]["w"].shape[-1] for i in range(3)] == [16, 32, 32]
+    assert params["torso"]["w"].shape == (11 * 11 * 32, 256)  # 84 -> 42 -> 21 -> 11 after three pools
+    logits, value = impala.apply(params, np.zeros((3, 2, 4, 84, 84), np.uint8))
+    assert logits.shape == (3, 2, 6) and value.shape == (3, 2)
+
+
+# --- Episodes: the true game score, against envpool's own counters ------------------------
+
+
+def test_episode_scores_are_unclipped_and_span_the_whole_game(impala):
+    import envpool
+
+    # Space Invaders pays 5-30 points per alien and has 3 lives: clipping and life loss show.
+    n = 2
+    envs = envpool.make("SpaceInvaders-v5", env_type="gymnasium", num_envs=n, seed=3, **impala.atari_kwargs(False))
+    env = impala.EnvInfo("envpool", True, (4, 84, 84), 6)
+    state = impala.ActorState(impala.reset_envs(envs, env, 3), np.zeros(n, bool), np.zeros(n), np.zeros(n, int))
+    rng = np.random.default_rng(0)
+    score, clipped, life_losses, games = np.zeros(n), np.zeros(n), np.zeros(n, int), []
+    while len(games) < 2:
+        obs, reward, terminated, truncated, info = envs.step(rng.integers(0, 6, n))
+        step = impala.Step(obs, reward, terminated, terminated | truncated, info["reward"],
+                           info["terminated"].astype(bool) | truncated)
+        state, (scores, lengths) = impala.track_episodes(state, step)
+        score, clipped = score + info["reward"], clipped + reward
+        life_losses += terminated & ~step.game_over
+        over = np.flatnonzero(step.game_over)
+        for b, got_score, got_length in zip(over, scores, lengths):
+            games.append((got_score, got_length, score[b], info["elapsed_step"][b], clipped[b], life_losses[b]))
+        score[over], clipped[over], life_losses[over] = 0, 0, 0
+    for got_score, got_length, true_score, elapsed, clipped_score, lives_lost in games:
+        assert got_score == true_score and got_length == elapsed
+        assert got_score > clipped_score  # unclipped
+        assert lives_lost == 2  # one game = all three lives
+
+
+def test_machado_switch_gives_sticky_actions_and_the_full_action_set(impala):
+    assert impala.describe_env("Pong-v5", False).num_actions == 6
+    assert impala.describe_env("Pong-v5", True).num_actions == 18
+    kwargs = impala.atari_kwargs(True)
+    assert kwargs["repeat_action_probability"] == 0.25 and not kwargs["episodic_life"]
+
+
+# --- End to end ---------------------------------------------------------------------------
+
+
+def test_cartpole_default_run_reaches_400(tmp_path):
+    result = run(SCRIPT, ["--env-id", "CartPole-v1"], tmp_path, timeout=300)
+    assert result.returncode == 0, result.output[-3000:]
+    assert result.last("charts/episodic_return") >= 400
+    assert result.last("global_step") <= 300_000
+    checksum(result.output)
+
+
+def test_custom_gymnasium_env_runs_end_to_end_with_exact_episode_scores(tmp_path, envs_path):
+    flags = ["--env-id", "test_envs:Fixed-v0", "--local-num-envs", 4, "--num-steps", 8, "--num-actor-threads", 1,
+             "--total-timesteps", 320, "--log-every", 2, "--checkpoint-every", 2, "--learning-rate", 1e-3,
+             "--no-anneal-lr", "--gamma", 0.9, "--vtrace-lambda", 0.95, "--ent-coef", 0.02, "--vf-coef", 0.25,
+             "--max-grad-norm", 1.0, "--rmsprop-eps", 1e-4, "--exp-name", "fixed"]
+    result = run(SCRIPT, flags, tmp_path, env=envs_path)
+    assert result.returncode == 0, result.output[-3000:]
+    assert len(result.metrics) == 5 and result.last("global_step") == 320
+    assert {row["charts/episodic_return"] for row in result.metrics} == {7.0}
+    assert {row["charts/episodic_length"] for row in result.metrics} == {7.0}
+    assert {row["charts/learning_rate"] for row in result.metrics} == {1e-3}
+    assert all(row["stats/param_lag"] <= 1 for row in result.metrics)
+    finite_losses(result)
+    assert "fixed" in result.run_dir.name and (result.run_dir / "checkpoint.npz").exists()
+
+
+ATARI = ["--env-id", "Breakout-v5", "--local-num-envs", 2, "--num-steps", 8, "--log-every", 1]
+
+
+@pytest.mark.parametrize("devices,layout,threads", [
+    (1, [], 2),
+    (2, ["--actor-device-ids", 0, "--learner-device-ids", 1], 1),
+    (4, ["--actor-device-ids", 0, 1, "--learner-device-ids", 2, 3], 2),
+], ids=["1-device", "actor0-learner1", "actors01x2-learners23"])
+def test_atari_runs_a_few_updates_on_each_device_layout(tmp_path, devices, layout, threads):
+    actor_threads = threads * (2 if devices == 4 else 1)
+    batch = 2 * 8 * actor_threads
+    flags = [*ATARI, *layout, "--num-actor-threads", threads, "--total-timesteps", 3 * batch]
+    result = run(SCRIPT, flags, tmp_path, devices=devices)
+    assert result.returncode == 0, result.output[-3000:]
+    assert [row["global_step"] for row in result.metrics] == [batch, 2 * batch, 3 * batch]
+    assert all(row["stats/param_lag"] <= 1 for row in result.metrics)
+    finite_losses(result)
+    learners = "[1]" if devices == 2 else "[2, 3]" if devices == 4 else "[0]"
+    assert f"learner devices {learners}" in result.output
+
+
+def test_two_hosts_finish_with_identical_learner_params(tmp_path):
+    flags = ["--env-id", "CartPole-v1", "--local-num-envs", 8, "--num-steps", 16, "--num-actor-threads", 1,
+             "--total-timesteps", 2 * 8 * 16 * 6, "--log-every", 3]
+    first, second = run_two_hosts(SCRIPT, flags, tmp_path, devices=2)
+    assert first.returncode == 0 and second.returncode == 0, first.output[-2000:] + second.output[-2000:]
+    assert checksum(first.output) == checksum(second.output)
+    assert first.last("global_step") == 2 * 8 * 16 * 6  # steps of both hosts
+    assert second.run_dir is None  # only process 0 writes a run folder
+
+
+# --- Faults, Ctrl-C and resume --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("env_id,message", [
+    ("test_envs:Crash-v0", "injected actor fault"),
+    ("test_envs:NanReward-v0", "non-finite loss"),
+])
+def test_a_failing_thread_ends_the_run_quickly_with_its_traceback(tmp_path, envs_path, env_id, message):
+    flags = ["--env-id", env_id, "--local-num-envs", 2, "--num-steps", 4, "--num-actor-threads", 1,
+             "--total-timesteps", 10**6]
+    result = run(SCRIPT, flags, tmp_path, env=envs_path, timeout=180)
+    ended = time.time()
+    assert result.returncode not in (0, 2), result.output[-3000:]
+    assert message in result.output and "Traceback" in result.output
+    assert ended - float((tmp_path / "fault_time").read_text()) < 30
+
+
+def popen(args, cwd):
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu",
+               PYTHONUNBUFFERED="1")
+    return subprocess.Popen(command(SCRIPT, args), cwd=cwd, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def test_ctrl_c_writes_a_loadable_checkpoint_and_resume_continues_from_it(tmp_path):
+    flags = ["--env-id", "CartPole-v1", "--local-num-envs", 8, "--num-steps", 16, "--num-actor-threads", 1,
+             "--log-every", 5, "--checkpoint-every", 0]
+    proc = popen([*flags, "--total-timesteps", 10**7, "--run-dir", tmp_path / "first"], tmp_path)
+    output = []
+    for line in proc.stdout:
+        output.append(line)
+        if line.startswith("update 10/"):
+            break
+    start = time.time()
+    proc.send_signal(signal.SIGINT)
+    output.append(proc.communicate(timeout=30)[0])
+    assert time.time() - start < 30 and proc.returncode == 130, "".join(output)[-3000:]
+    ckpt = next((tmp_path / "first").glob("*/checkpoint.npz"))
+    with np.load(ckpt, allow_pickle=False) as data:
+        update = int(data["update"])
+        assert update >= 10 and np.isfinite(data["state/params/policy/w"]).all()
+
+    batch = 8 * 16
+    result = run(SCRIPT, [*flags, "--total-timesteps", (update + 5) * batch, "--resume", ckpt], tmp_path)
+    assert result.returncode == 0, result.output[-3000:]
+    assert result.metrics[0]["global_step"] > update * batch
+    assert result.last("global_step") == (update + 5) * batch
+
+
+# --- Bad input --------------------------------------------------------------------------------
+
+
+def mismatched_checkpoint(tmp_path):
+    path = tmp_path / "other.npz"
+    np.savez(path, **{"state/params/policy/w": np.zeros((3, 3))})
+    return path
+
+
+@pytest.mark.parametrize("devices,flags,flag", [
+    (1, ["--env-id", "Breakout-v55"], "--env-id"),
+    (1, ["--env-id", "Pendulum-v1"], "--env-id"),
+    (1, ["--env-id", "CartPole-v1", "--machado"], "--machado"),
+    (2, ["--env-id", "CartPole-v1", "--actor-device-ids", 2], "--actor-device-ids"),
+    (2, ["--env-id", "CartPole-v1", "--actor-device-ids", 0, "--learner-device-ids", 0, 1], "--learner-device-ids"),
+    (3, ["--env-id", "CartPole-v1", "--learner-device-ids", 1, 2, "--local-num-envs", 3], "--local-num-envs"),
+    (1, ["--env-id", "CartPole-v1", "--total-timesteps", 100], "--total-timesteps"),
+    (1, ["--env-id", "CartPole-v1", "--resume", "missing.npz"], "--resume"),
+    (1, ["--env-id", "CartPole-v1", "--resume", mismatched_checkpoint], "--resume"),
+], ids=["unknown-env", "continuous-actions", "machado-not-atari", "device-out-of-range", "device-reused",
+        "envs-not-divisible", "budget-below-one-update", "missing-checkpoint", "mismatched-checkpoint"])
+def test_bad_input_is_one_error_line_naming_the_flag(tmp_path, devices, flags, flag):
+    flags = [f(tmp_path) if callable(f) else f for f in flags]
+    line = error_line(run(SCRIPT, flags, tmp_path, devices=devices, timeout=120))
+    assert line.startswith(f"error: {flag} ")
+    if "Breakout-v55" in flags:
+        assert "Breakout-v5" in line  # close matches suggested
