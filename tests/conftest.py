@@ -6,6 +6,7 @@
   its exit status, output and parsed `metrics.jsonl`.
 - `run_two_hosts(script, args, tmp_path)`: the same script as two processes on 127.0.0.1
   joined by `jax.distributed` (`--distributed` with a free coordinator port).
+- `spawn(script, args, cwd)`: start a script without waiting (for signal tests).
 - `checksum(output)`: the parameter checksum a script prints at the end of a run.
 """
 
@@ -86,6 +87,7 @@ def run(script, args, tmp_path, devices=1, timeout=600, env=None, run_dir=True):
     Its run folder goes under `tmp_path/runs` (unless `run_dir=False`, for tests that pass
     their own `--run-dir`). A run that outlives `timeout` seconds fails the test.
     """
+    Path(tmp_path).mkdir(parents=True, exist_ok=True)
     run_root = Path(tmp_path) / "runs"
     args = [*args, "--run-dir", run_root] if run_dir else list(args)
     proc = subprocess.run(
@@ -93,6 +95,12 @@ def run(script, args, tmp_path, devices=1, timeout=600, env=None, run_dir=True):
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout,
     )
     return _collect(proc.returncode, proc.stdout, run_root)
+
+
+def spawn(script, args, cwd, devices=1, env=None):
+    """Start a script as a subprocess (output on `.stdout`, text) and return the Popen."""
+    return subprocess.Popen(command(script, args), cwd=cwd, env=_env(devices, env),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 def free_port():
@@ -114,10 +122,7 @@ def run_two_hosts(script, args, tmp_path, devices=2, timeout=600, env=None):
         host_args = [*args, "--run-dir", root / "runs", "--distributed",
                      "--coordinator-address", f"127.0.0.1:{port}",
                      "--num-processes", 2, "--process-id", pid]
-        procs.append(subprocess.Popen(
-            command(script, host_args), cwd=root, env=_env(devices, env),
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        ))
+        procs.append(spawn(script, host_args, root, devices, env))
         roots.append(root / "runs")
     results = []
     try:
