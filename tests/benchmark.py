@@ -46,8 +46,33 @@ def timed(fn, *args):
 
 
 def catch_worker(envs, iters):
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh, PartitionSpec as P
+
     catch = load("anakin_catch.py")
-    return catch.benchmark(envs, iters)
+    args = catch.Args(num_envs_per_device=envs)
+    mesh = Mesh(np.array(jax.devices()), ("devices",))
+    init = jax.jit(lambda key: catch.init_learner(key, args, envs * mesh.size), out_shardings=catch.shardings(mesh))
+    learner = init(jax.random.PRNGKey(0))
+
+    def rollouts(learner):  # the same vmapped rollouts with their forward passes, no learning
+        def one(lanes, _):
+            lanes, traj, _ = jax.vmap(catch.rollout, (None, 0, None))(learner.params, lanes, args)
+            return lanes, traj.reward.sum()
+        return learner._replace(lanes=jax.lax.scan(one, learner.lanes, length=iters)[0])
+
+    specs = catch.Learner(P(), P(), P("devices"))
+    rollout_only = jax.jit(jax.shard_map(rollouts, mesh=mesh, in_specs=(specs,), out_specs=specs,
+                                         check_vma=False)).lower(learner).compile()
+    start = time.perf_counter()
+    train = catch.make_train(args, mesh, iters).lower(learner).compile()
+    compile_s = time.perf_counter() - start
+    steps = iters * args.num_steps * envs * mesh.size
+    jax.block_until_ready((rollout_only(learner), train(init(jax.random.PRNGKey(1)))))  # warm up
+    fresh = jax.block_until_ready(init(jax.random.PRNGKey(2)))
+    return {"train_sps": steps / timed(train, fresh), "rollout_sps": steps / timed(rollout_only, learner),
+            "train_compile_s": compile_s}
 
 
 def bench_catch():
