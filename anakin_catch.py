@@ -28,6 +28,7 @@ import difflib
 import hashlib
 import json
 import os
+import signal
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -70,7 +71,7 @@ class Args:
     epsilon: float = 0.01
     """probability of a uniformly random action (acting is otherwise greedy)"""
     log_every: int = 10
-    """updates per compiled call; one log line and metrics row per call"""
+    """updates per compiled call (no return to Python between them); one log line per call"""
     checkpoint_every: int = 100
     """updates between checkpoints (one is always written at the end)"""
     run_dir: str = "runs"
@@ -243,7 +244,7 @@ def init_learner(key, args, num_envs):
     return Learner(params, make_optimizer(args).init(params), lanes)
 
 
-def update(learner, _, args):
+def update(learner, args):
     """One update on one device: its lanes' rollouts, then gradients averaged everywhere."""
     def device_loss(params):  # the lanes' mean loss: its gradient is the lanes' mean gradient
         losses, aux = jax.vmap(lane_loss, (None, 0, None))(params, learner.lanes, args)
@@ -262,15 +263,23 @@ def update(learner, _, args):
     return Learner(params, opt_state, lanes), stats
 
 
-def make_train(args, mesh, num_updates):
-    """A compiled call doing `num_updates` updates on every device of `mesh`."""
-    def train(learner):
-        return jax.lax.scan(partial(update, args=args), learner, length=num_updates)
+def make_train(args, mesh):
+    """The compiled call: `num_updates` updates on every device of `mesh`, and their Stats summed.
+
+    The count is an argument (at most --log-every), so one compilation serves every call.
+    """
+    def train(learner, num_updates):
+        def one_update(_, carry):
+            learner, totals = carry
+            learner, stats = update(learner, args)
+            return learner, jax.tree.map(jnp.add, totals, stats)
+
+        return jax.lax.fori_loop(0, num_updates, one_update, (learner, Stats(*[jnp.float32(0)] * 5)))
 
     # check_vma=False: params enter replicated (P()) and we average their gradients
     # ourselves with pmean; with check_vma=True JAX would already sum them across devices.
     specs = Learner(P(), P(), P("devices"))
-    sharded = jax.shard_map(train, mesh=mesh, in_specs=(specs,), out_specs=(specs, P()), check_vma=False)
+    sharded = jax.shard_map(train, mesh=mesh, in_specs=(specs, P()), out_specs=(specs, P()), check_vma=False)
     return jax.jit(sharded, donate_argnums=0)
 
 
@@ -366,6 +375,16 @@ def checksum(params):
     return digest.hexdigest()
 
 
+def summarize(stats, n, args, sps):
+    """The metrics row of one call, from its Stats summed over `n` updates."""
+    row = {"charts/SPS": sps, "charts/learning_rate": args.learning_rate,
+           "losses/td_loss": stats.loss / n, "losses/q_values": stats.q_mean / n}
+    if stats.episodes > 0:
+        row["charts/episodic_return"] = stats.return_sum / stats.episodes
+        row["charts/episodic_length"] = stats.length_sum / stats.episodes
+    return row
+
+
 class Logger:
     """Console progress line, metrics.jsonl and TensorBoard; files on process 0 only."""
 
@@ -413,39 +432,29 @@ def main(args):
 
     logger = Logger(args)
     checkpoint = logger.dir / "checkpoint.npz"
-    compiled, last_saved, row = {}, update, {}
-    try:
-        while update < num_updates:
-            n = min(args.log_every, num_updates - update)
-            if n not in compiled:  # compiled ahead of time, so SPS never includes compilation
-                tic = time.time()
-                compiled[n] = make_train(args, mesh, n).lower(learner).compile()
-                print(f"compiled {n} updates per call in {time.time() - tic:.1f}s", flush=True)
-            tic = time.time()
-            learner, stats = compiled[n](learner)
-            update, global_step = update + n, global_step + n * steps_per_update
-            stats = Stats(*(np.asarray(x.addressable_data(0)) for x in stats))  # [n] each; waits
-            if not np.isfinite(stats.loss).all():
-                print(f"error: non-finite loss at update {update}; last good checkpoint: {checkpoint}",
-                      file=sys.stderr)
-                sys.exit(1)
-            seconds = time.time() - tic
-            row = {"global_step": global_step, "update": update, "charts/SPS": n * steps_per_update / seconds,
-                   "charts/learning_rate": args.learning_rate, "losses/td_loss": float(stats.loss.mean()),
-                   "losses/q_values": float(stats.q_mean.mean())}
-            if stats.episodes.sum() > 0:
-                row["charts/episodic_return"] = float(stats.return_sum.sum() / stats.episodes.sum())
-                row["charts/episodic_length"] = float(stats.length_sum.sum() / stats.episodes.sum())
-            logger.log(row, update, num_updates, num_updates * steps_per_update,
-                       eta=(num_updates - update) / n * seconds)
-            if update - last_saved >= args.checkpoint_every:
-                save(checkpoint, learner, update, global_step)
-                last_saved = update
-    except KeyboardInterrupt:
-        save(checkpoint, learner, update, global_step)
+    stop = []  # Ctrl-C: finish the call in flight, write a checkpoint, exit
+    signal.signal(signal.SIGINT, lambda *_: stop.append(True))
+    tic = time.time()  # compiled ahead of time, so SPS never includes compilation
+    train = make_train(args, mesh).lower(learner, np.int32(args.log_every)).compile()
+    print(f"compiled in {time.time() - tic:.1f}s", flush=True)
+    last_saved, row = update, {}
+    while update < num_updates and not stop:
+        n = min(args.log_every, num_updates - update)
+        tic = time.time()
+        learner, stats = train(learner, np.int32(n))
+        stats = Stats(*(float(x.addressable_data(0)) for x in stats))  # sums over n updates; waits
+        update, global_step, seconds = update + n, global_step + n * steps_per_update, time.time() - tic
+        if not np.isfinite(stats.loss):
+            sys.exit(f"error: non-finite loss at update {update}; last good checkpoint: {checkpoint}")
+        row = {"global_step": global_step, "update": update, **summarize(stats, n, args, n * steps_per_update / seconds)}
+        logger.log(row, update, num_updates, num_updates * steps_per_update, (num_updates - update) / n * seconds)
+        if update - last_saved >= args.checkpoint_every:
+            save(checkpoint, learner, update, global_step)
+            last_saved = update
+    save(checkpoint, learner, update, global_step)
+    if stop:
         print(f"interrupted at update {update}: checkpoint written to {checkpoint}", flush=True)
         sys.exit(130)
-    save(checkpoint, learner, update, global_step)
     row["checksum"] = checksum(learner.params)
     print(f"checksum {row['checksum']}", flush=True)
     return row
