@@ -92,12 +92,8 @@ class Args:
     """global-norm gradient clipping"""
     policy_lag: bool = True
     """actors may act with parameters one update old (--no-policy-lag: wait for the newest)"""
-    episodic_life: bool = True
-    """a lost life ends the episode for learning (returns still count the whole game)"""
-    reward_clip: bool = True
-    """learn from the sign of the reward (returns are still the unclipped score)"""
-    repeat_action_probability: float = 0.0
-    """sticky actions (Machado et al. 2018 use 0.25)"""
+    machado: bool = False
+    """Machado et al. (2018) protocol: sticky actions 0.25, full action set, no life loss, no no-op starts"""
     log_every: int = 1
     """updates between log lines and metrics rows"""
     checkpoint_every: int = 50
@@ -118,12 +114,19 @@ class Args:
 
 # ---- The environment: envpool Atari, stepped on the host by the actor threads -------------
 
+def atari_kwargs(machado):
+    """The PPO paper's protocol: a lost life ends a training episode, rewards clipped to their
+    sign, 30 no-op starts (frame skip 4, 4-frame stack, 84x84 grey are envpool's defaults).
+    Returns stay the unclipped whole-game score either way (info["reward"], all lives)."""
+    if machado:  # Machado et al. 2018: stochasticity from sticky actions instead of no-ops
+        return dict(episodic_life=False, reward_clip=True, noop_max=0,
+                    repeat_action_probability=0.25, full_action_space=True)
+    return dict(episodic_life=True, reward_clip=True, noop_max=30)
+
+
 def make_envs(args, num_envs, seed):
-    return envpool.make(
-        args.env_id, env_type="gymnasium", num_envs=num_envs, seed=seed,
-        episodic_life=args.episodic_life, reward_clip=args.reward_clip,
-        repeat_action_probability=args.repeat_action_probability,
-        num_threads=max(1, min(num_envs, os.cpu_count() or 1)))
+    return envpool.make(args.env_id, env_type="gymnasium", num_envs=num_envs, seed=seed,
+                        num_threads=max(1, min(num_envs, os.cpu_count() or 1)), **atari_kwargs(args.machado))
 
 
 # ---- The network: Nature DQN CNN (Mnih et al. 2015), orthogonal init as in PPO ------------
@@ -259,8 +262,8 @@ class Rollout(NamedTuple):
     actions: np.ndarray  # [T, E]
     logprobs: np.ndarray  # [T, E]
     values: np.ndarray  # [T + 1, E], the last one V of the bootstrap observation
-    rewards: np.ndarray  # [T, E], clipped if --reward-clip
-    terminated: np.ndarray  # [T, E], life loss too if --episodic-life
+    rewards: np.ndarray  # [T, E], clipped to their sign
+    terminated: np.ndarray  # [T, E], life loss too (unless --machado)
     dones: np.ndarray  # [T, E], terminated or truncated
     valid: np.ndarray  # [T, E], False on the autoreset step after a done
 
@@ -278,11 +281,11 @@ class ActorStats(NamedTuple):
     returns: list  # whole games that ended during the rollout
     lengths: list
     lag: int  # updates between the acting parameters and the learner's
-    rollout_s: float
-    inference_s: float
-    env_step_s: float
-    params_wait_s: float
-    queue_put_s: float
+    rollout_time: float  # seconds per rollout, of which:
+    inference_time: float  # the policy, including fetching its actions
+    env_step_time: float  # envpool's step
+    actor_params_wait: float  # seconds waiting for parameters recent enough
+    actor_queue_wait: float  # seconds the previous rollout waited for room in the queue
 
 
 def collect(envs, params, carry, num_steps):
@@ -494,12 +497,12 @@ def check_args(args):
                  "update_epochs", "log_every", "checkpoint_every"):
         if getattr(args, flag) < 1:
             fail(f"--{flag.replace('_', '-')} {getattr(args, flag)} must be at least 1")
-    for flag in ("gamma", "gae_lambda", "repeat_action_probability"):
+    for flag in ("gamma", "gae_lambda"):
         if not 0 <= getattr(args, flag) <= 1:
             fail(f"--{flag.replace('_', '-')} {getattr(args, flag)} must be in [0, 1]")
     if args.resume and not Path(args.resume).is_file():
         fail(f"--resume {args.resume!r}: no such checkpoint file")
-    return envpool.make_spec(args.env_id).action_space.n
+    return envpool.make_spec(args.env_id, **atari_kwargs(args.machado)).action_space.n
 
 
 def pick_devices(args):
@@ -591,10 +594,10 @@ def window_row(stats, learner_s, update, global_step, sps, lr, metrics):
     """One metrics row from the actor stats and learner timings of a log window."""
     mean = lambda xs: float(np.mean(xs))
     row = {"global_step": global_step, "update": update, "charts/SPS": sps, "charts/learning_rate": lr,
-           "charts/policy_lag": mean([s.lag for s in stats]),
+           "stats/param_lag": max(s.lag for s in stats),
            **{f"losses/{k}": float(v) for k, v in metrics._asdict().items()},
-           **{f"timing/{k}": mean([getattr(s, k) for s in stats]) for k in ActorStats._fields[3:]},
-           **{f"timing/{k}": mean(v) for k, v in learner_s.items()}}
+           **{f"stats/{k}": mean([getattr(s, k) for s in stats]) for k in ActorStats._fields[3:]},
+           **{f"stats/{k}": mean(v) for k, v in learner_s.items()}}
     returns = [r for s in stats for r in s.returns]
     if returns:
         row["charts/episodic_return"] = mean(returns)
@@ -652,7 +655,7 @@ def main(args):
 
     print(f"{args.env_id}: {num_updates} updates of {batch:,} steps; actors {layout.actor_devices} x "
           f"{args.num_actor_threads} threads x {args.local_num_envs} envs, learners {list(layout.mesh.devices)}")
-    row, window, learner_s = {}, [], {"queue_get_s": [], "update_s": []}
+    row, window, learner_s = {}, [], {"learner_queue_wait": [], "learner_time": []}
     t_start = t_window = time.perf_counter()
     steps_window, update = 0, start_update
     try:
@@ -661,12 +664,12 @@ def main(args):
             items = [get(q, stop, interrupted) for q in queues]
             if any(item is None for item in items):
                 break
-            learner_s["queue_get_s"].append(time.perf_counter() - start)
+            learner_s["learner_queue_wait"].append(time.perf_counter() - start)
             start = time.perf_counter()
             state, metrics = update_fn(state, assemble([parts for parts, _ in items], layout))
             store.publish(update + 1, to_actors(state.params, layout))
             metrics = jax.device_get(local(metrics))
-            learner_s["update_s"].append(time.perf_counter() - start)
+            learner_s["learner_time"].append(time.perf_counter() - start)
             if not all(np.isfinite(metrics)):
                 raise FloatingPointError(f"non-finite loss at update {update + 1} ({metrics}); "
                                          "the last good checkpoint is left in place")

@@ -1,0 +1,326 @@
+"""Tests of sebulba_ppo_atari.py: GAE and PPO pieces against NumPy, the learner update, acting
+against the original env, device layouts, two hosts, faults, bad input and resume."""
+
+import hashlib
+import signal
+import subprocess
+import sys
+import time
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import ROOT, _env, checksum, command, error_line, load, run, run_two_hosts
+
+SCRIPT = "sebulba_ppo_atari.py"
+# A tiny Breakout run: 8 steps x 4 envs per actor thread, one epoch of two minibatches.
+TINY = ["--env-id", "Breakout-v5", "--num-steps", "8", "--local-num-envs", "4", "--num-actor-threads", "1",
+        "--update-epochs", "1", "--num-minibatches", "2"]
+
+
+@pytest.fixture(scope="module")
+def ppo():
+    return load(SCRIPT)
+
+
+# ---- GAE and the PPO loss pieces ---------------------------------------------------------
+
+def numpy_gae(rewards, values, terminated, dones, gamma, lam):
+    """GAE as the forward sum over each step's own episode: A_t = sum_k (gamma lam)^k delta_{t+k},
+    stopping after the first step that ends the episode (terminated or truncated)."""
+    T, E = rewards.shape
+    adv = np.zeros((T, E))
+    for e in range(E):
+        for t in range(T):
+            for k in range(t, T):
+                delta = rewards[k, e] + gamma * values[k + 1, e] * (1 - terminated[k, e]) - values[k, e]
+                adv[t, e] += (gamma * lam) ** (k - t) * delta
+                if dones[k, e]:
+                    break
+    return adv
+
+
+def test_gae_matches_numpy_with_terminations_truncations_and_autoreset_steps(ppo):
+    rng = np.random.default_rng(0)
+    T, E = 24, 5
+    rewards, values = rng.normal(size=(T, E)), rng.normal(size=(T + 1, E))
+    terminated = (rng.random((T, E)) < 0.1).astype(np.float32)
+    truncated = (rng.random((T, E)) < 0.1) * (1 - terminated)
+    dones = np.maximum(terminated, truncated).astype(np.float32)
+    # envpool's autoreset step after each end: reward 0, its action did nothing.
+    rewards[1:][dones[:-1] == 1] = 0.0
+    got = np.asarray(ppo.gae(*(x.astype(np.float32) for x in (rewards, values, terminated, dones)), 0.99, 0.95))
+    np.testing.assert_allclose(got, numpy_gae(rewards, values, terminated, dones, 0.99, 0.95), rtol=1e-4, atol=1e-4)
+
+
+def test_gae_bootstraps_truncation_from_final_obs_and_ignores_the_autoreset_step(ppo):
+    # Step 1 is truncated; step 2 is envpool's autoreset step (values[2] = V(final obs)).
+    rewards = np.array([[1.0], [1.0], [0.0], [1.0]], np.float32)
+    values = np.array([[0.5], [0.5], [10.0], [0.5], [0.5]], np.float32)
+    terminated, dones = np.zeros((4, 1), np.float32), np.array([[0], [1], [0], [0]], np.float32)
+    adv = np.asarray(ppo.gae(rewards, values, terminated, dones, 0.9, 1.0))
+    assert adv[1, 0] == pytest.approx(1.0 + 0.9 * 10.0 - 0.5)  # truncation bootstraps from V(final obs)
+    assert adv[0, 0] == pytest.approx(1.0 + 0.9 * 0.5 - 0.5 + 0.9 * adv[1, 0])
+    changed = np.asarray(ppo.gae(rewards + np.array([[0], [0], [100], [100]], np.float32), values, terminated,
+                                 dones, 0.9, 1.0))
+    np.testing.assert_allclose(changed[:2], adv[:2])  # nothing after the end leaks into the old episode
+    terminated[1, 0] = 1.0  # a real termination does not bootstrap
+    assert np.asarray(ppo.gae(rewards, values, terminated, dones, 0.9, 1.0))[1, 0] == pytest.approx(0.5)
+
+
+def test_clipped_surrogate_takes_the_pessimistic_term(ppo):
+    ratio = np.array([1.5, 0.5, 1.5, 0.5, 1.05], np.float32)
+    adv = np.array([1.0, 1.0, -1.0, -1.0, 2.0], np.float32)
+    expected = [-1.1, -0.5, 1.5, 0.9, -2.1]  # clip 0.1: gains capped, losses kept
+    np.testing.assert_allclose(ppo.clipped_surrogate(ratio, adv, 0.1), expected, rtol=1e-6)
+
+
+def test_clipped_value_loss_and_entropy_on_hand_cases(ppo):
+    v, old, ret = (np.array(x, np.float32) for x in ([2.0, 0.0, 1.05], [1.0, 0.0, 1.0], [3.0, 1.0, 1.0]))
+    # case 0: clipped value 1.1 is further from 3 -> 0.5 * 1.9^2; case 2: unclipped 1.05 -> 0.5 * 0.05^2
+    np.testing.assert_allclose(ppo.clipped_value_loss(v, old, ret, 0.1), [0.5 * 1.9 ** 2, 0.5, 0.5 * 0.05 ** 2],
+                               rtol=1e-5)
+    np.testing.assert_allclose(ppo.entropy(np.zeros((1, 4), np.float32)), [np.log(4)], rtol=1e-6)
+    assert float(ppo.entropy(np.array([[100.0, 0.0, 0.0]], np.float32))[0]) == pytest.approx(0.0, abs=1e-6)
+
+
+def test_advantage_normalisation_spans_all_learners_and_skips_masked_samples(ppo):
+    import jax
+
+    rng = np.random.default_rng(1)
+    adv = rng.normal(3.0, 2.0, size=(2, 6)).astype(np.float32)  # 2 learners x 6 samples
+    mask = np.ones((2, 6), np.float32)
+    mask[0, :2] = 0
+    got = np.asarray(jax.vmap(partial(ppo.normalize, axis_name="learners"), axis_name="learners")(adv, mask))
+    valid = adv[mask == 1]
+    np.testing.assert_allclose(got[mask == 1], (valid - valid.mean()) / valid.std(), rtol=1e-4, atol=1e-5)
+
+
+# ---- The learner update and acting --------------------------------------------------------
+
+def test_repeated_updates_on_one_batch_favour_positive_advantage_actions_and_fit_values(ppo):
+    import jax
+    from jax.sharding import Mesh
+
+    args = ppo.Args(update_epochs=2, num_minibatches=2, learning_rate=1e-3, anneal_lr=False)
+    rng = np.random.default_rng(2)
+    T, E, A = 8, 4, 4
+    state = ppo.init_state(jax.random.PRNGKey(0), args, A, 100)
+    obs = rng.integers(0, 255, (T, E, 4, 84, 84), dtype=np.uint8)
+    logits, values = jax.vmap(ppo.apply, (None, 0))(state.params, obs)
+    actions = rng.integers(0, A, (T, E))
+    logp = np.take_along_axis(np.asarray(jax.nn.log_softmax(logits)), actions[..., None], -1)[..., 0]
+    values = np.concatenate([np.asarray(values), np.zeros((1, E), np.float32)])
+    rewards = rng.choice([-1.0, 1.0], (T, E)).astype(np.float32)
+    zeros = np.zeros((T, E), np.float32)
+    rollout = ppo.Rollout(obs, actions.astype(np.int32), logp.astype(np.float32), values, rewards, zeros, zeros,
+                          np.ones((T, E), np.float32))
+    adv = np.asarray(ppo.gae(rewards, values, zeros, zeros, args.gamma, args.gae_lambda))
+    returns = adv + values[:-1]
+    update = ppo.make_update(args, Mesh(np.array(jax.devices()[:1]), ("learners",)), 100)
+
+    def measure(params):
+        logits, v = jax.vmap(ppo.apply, (None, 0))(params, obs)
+        lp = np.take_along_axis(np.asarray(jax.nn.log_softmax(logits)), actions[..., None], -1)[..., 0]
+        return lp[adv > 0].mean(), lp[adv < 0].mean(), np.mean((np.asarray(v) - returns) ** 2)
+
+    before = measure(state.params)
+    for _ in range(5):
+        state, metrics = update(state, rollout)
+    after = measure(state.params)
+    assert after[0] > before[0] + 0.05, (before, after)  # positive-advantage actions more likely
+    assert after[1] < before[1] - 0.05, (before, after)  # negative-advantage actions less likely
+    assert after[2] < 0.8 * before[2], (before, after)  # values closer to the returns
+    assert float(metrics.approx_kl) > 0 and 0 <= float(metrics.clipfrac) <= 1
+
+
+def test_collect_returns_unclipped_whole_game_scores_and_marks_autoreset_steps(ppo):
+    """Replays the rollout's actions in a fresh env and scores the games independently."""
+    import jax
+
+    args = ppo.Args()
+    params = ppo.init_params(jax.random.PRNGKey(0), 4)
+    envs = ppo.make_envs(args, 2, seed=7)
+    obs, _ = envs.reset()
+    carry = ppo.ActorCarry(obs, jax.random.PRNGKey(1), np.zeros(2, bool), np.zeros(2), np.zeros(2, np.int64))
+    rollout, _, returns, lengths, _ = ppo.collect(envs, params, carry, 600)
+
+    replay = ppo.make_envs(args, 2, seed=7)
+    replay.reset()
+    score, scores, life_losses, prev_done = np.zeros(2), [], 0, np.zeros(2, bool)
+    for t in range(600):
+        _, reward, term, trunc, info = replay.step(rollout.actions[t])
+        np.testing.assert_array_equal(rollout.rewards[t], np.sign(info["reward"]))  # learning reward: clipped
+        np.testing.assert_array_equal(rollout.valid[t], ~prev_done)  # step after an end: masked
+        score += info["reward"]
+        over = info["terminated"].astype(bool) | trunc
+        life_losses += int((term & ~over).sum())
+        scores += score[over].tolist()
+        score[over], prev_done = 0, term | trunc
+    assert len(scores) >= 2 and life_losses >= 2, (scores, life_losses)  # games spanning several lives
+    assert sorted(returns) == sorted(scores)
+    assert len(lengths) == len(returns) and min(lengths) > 20
+
+
+# ---- Whole runs: device layouts, policy lag, two hosts --------------------------------------
+
+def check_run(result, updates, envs):
+    assert result.returncode == 0, result.output[-3000:]
+    assert result.last("global_step") == updates * 8 * envs
+    assert len(result.metrics) == updates
+    for key in ("losses/policy_loss", "losses/value_loss", "losses/entropy", "losses/approx_kl",
+                "losses/clipfrac", "charts/SPS", "charts/learning_rate", "stats/learner_time",
+                "stats/inference_time", "stats/env_step_time"):
+        assert np.isfinite(result.last(key)), key
+    assert (result.run_dir / "checkpoint.npz").exists() and (result.run_dir / "args.json").exists()
+    assert list(result.run_dir.glob("events.out.tfevents.*"))
+    return [m["stats/param_lag"] for m in result.metrics]
+
+
+def test_one_device_runs_with_at_most_one_update_of_lag(tmp_path):
+    result = run(SCRIPT, [*TINY, "--total-timesteps", 96], tmp_path)
+    lags = check_run(result, updates=3, envs=4)
+    assert max(lags) <= 1
+    assert result.last("charts/learning_rate") < 2.5e-4  # annealed
+
+
+def test_two_devices_actor_and_learner_without_lag_is_on_policy_and_reproducible(tmp_path):
+    flags = [*TINY, "--total-timesteps", 64, "--actor-device-ids", 0, "--learner-device-ids", 1, "--no-policy-lag"]
+    first = run(SCRIPT, flags, tmp_path / "a", devices=2)
+    assert check_run(first, updates=2, envs=4) == [0, 0]
+    second = run(SCRIPT, flags, tmp_path / "b", devices=2)
+    assert checksum(first.output) == checksum(second.output)  # exact on-policy runs are deterministic
+
+
+def test_four_devices_two_actors_with_two_threads_and_two_learners(tmp_path):
+    flags = ["--env-id", "Breakout-v5", "--num-steps", 8, "--local-num-envs", 2, "--num-actor-threads", 2,
+             "--update-epochs", 1, "--num-minibatches", 2, "--total-timesteps", 128,
+             "--actor-device-ids", 0, 1, "--learner-device-ids", 2, 3]
+    result = run(SCRIPT, flags, tmp_path, devices=4)
+    assert max(check_run(result, updates=2, envs=8)) <= 1
+
+
+def test_two_hosts_end_with_identical_learner_parameters(tmp_path):
+    flags = [*TINY, "--total-timesteps", 128, "--actor-device-ids", 0, "--learner-device-ids", 1]
+    results = run_two_hosts(SCRIPT, flags, tmp_path)
+    for r in results:
+        assert r.returncode == 0, r.output[-3000:]
+    assert checksum(results[0].output) == checksum(results[1].output)
+    assert results[0].last("global_step") == 128  # 2 updates x 8 steps x 4 envs x 2 hosts
+    assert results[1].metrics == []  # only process 0 writes the run folder
+
+
+# ---- Faults, Ctrl-C, bad input, resume -------------------------------------------------------
+
+# Faults are injected from outside: a wrapper imports the script as a module, patches one
+# function, then calls its main. The script carries no test-only flag or hook, and the failure
+# travels through its real error paths (an envpool step raising inside an actor thread; the
+# learner's per-update batch assembly raising in the main thread).
+WRAPPER = """
+import sys, tyro
+sys.path.insert(0, {root!r})
+import envpool, sebulba_ppo_atari as ppo
+{patch}
+ppo.main(tyro.cli(ppo.Args))
+"""
+ENV_FAULT = """
+make = envpool.make
+def faulty_make(*args, **kwargs):
+    envs, calls = make(*args, **kwargs), [0]
+    step = envs.step
+    def faulty_step(actions):
+        calls[0] += 1
+        if calls[0] > 12:
+            raise RuntimeError("injected env fault")
+        return step(actions)
+    envs.step = faulty_step
+    return envs
+envpool.make = faulty_make
+"""
+LEARNER_FAULT = """
+assemble, calls = ppo.assemble, [0]
+def faulty_assemble(*args):
+    calls[0] += 1
+    if calls[0] == 2:
+        raise RuntimeError("injected learner fault")
+    return assemble(*args)
+ppo.assemble = faulty_assemble
+"""
+
+
+@pytest.mark.parametrize("patch,message", [(ENV_FAULT, "injected env fault"),
+                                           (LEARNER_FAULT, "injected learner fault")])
+def test_a_failing_thread_ends_the_run_with_its_traceback(tmp_path, patch, message):
+    wrapper = tmp_path / "wrapper.py"
+    wrapper.write_text(WRAPPER.format(root=str(ROOT), patch=patch))
+    start = time.monotonic()
+    result = run(str(wrapper), [*TINY, "--total-timesteps", 100_000], tmp_path, timeout=300)
+    assert result.returncode not in (0, None), result.output[-3000:]
+    assert "Traceback" in result.output and message in result.output, result.output[-3000:]
+    assert "checksum" not in result.output
+    assert time.monotonic() - start < 300
+
+
+def test_ctrl_c_writes_a_loadable_checkpoint_and_exits(tmp_path):
+    args = [*TINY, "--total-timesteps", 1_000_000, "--run-dir", tmp_path / "runs"]
+    proc = subprocess.Popen(command(SCRIPT, args), cwd=tmp_path, env=_env(1, None),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 400
+        while not list((tmp_path / "runs").glob("*/metrics.jsonl")) and time.monotonic() < deadline:
+            time.sleep(1)
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, out[-3000:]
+    ckpt = next((tmp_path / "runs").glob("*/checkpoint.npz"))
+    with np.load(ckpt, allow_pickle=False) as f:
+        assert int(f["update"]) >= 1 and int(f["global_step"]) == int(f["update"]) * 32
+        assert any(name.startswith(".params") for name in f.files)
+
+
+def write_bad_checkpoint(path):
+    np.savez(path, **{".params['value']['w']": np.zeros((3, 3), np.float32)})
+    return path
+
+
+@pytest.mark.parametrize("flags,devices,expect", [
+    (["--env-id", "Breakout-v4"], 1, "Breakout-v5"),
+    (["--env-id", "CartPole-v1"], 1, "sebulba_impala.py"),
+    (["--num-minibatches", "3"], 1, "--num-minibatches"),
+    (["--local-num-envs", "3", "--learner-device-ids", "1", "2"], 3, "--local-num-envs"),
+    (["--learner-device-ids", "4"], 2, "--learner-device-ids"),
+    (["--actor-device-ids", "0", "--learner-device-ids", "0", "1"], 2, "share a device"),
+    (["--total-timesteps", "10"], 1, "--total-timesteps"),
+    (["--num-steps", "0"], 1, "--num-steps"),
+    (["--resume", "missing.npz"], 1, "--resume"),
+    (["--resume", "bad.npz"], 1, "does not match"),
+])
+def test_bad_input_is_one_error_line_with_status_2(tmp_path, flags, devices, expect):
+    write_bad_checkpoint(tmp_path / "bad.npz")
+    result = run(SCRIPT, [*TINY, *flags], tmp_path, devices=devices)
+    assert expect in error_line(result)
+
+
+def params_digest(ckpt):
+    with np.load(ckpt, allow_pickle=False) as f:
+        names = sorted(n for n in f.files if n.startswith(".params"))
+        return hashlib.sha256(b"".join(np.ascontiguousarray(f[n]).tobytes() for n in names)).hexdigest()
+
+
+def test_resume_continues_from_the_checkpoint(tmp_path):
+    first = run(SCRIPT, [*TINY, "--total-timesteps", 64], tmp_path / "a")
+    assert first.returncode == 0, first.output[-3000:]
+    ckpt = first.run_dir / "checkpoint.npz"
+    assert params_digest(ckpt) == checksum(first.output)
+    # With a zero learning rate the resumed run must end on exactly the checkpoint's parameters.
+    resumed = run(SCRIPT, [*TINY, "--total-timesteps", 128, "--resume", ckpt, "--learning-rate", 0], tmp_path / "b")
+    assert resumed.returncode == 0, resumed.output[-3000:]
+    assert [m["update"] for m in resumed.metrics] == [3, 4]
+    assert resumed.metrics[0]["global_step"] == 96
+    assert checksum(resumed.output) == checksum(first.output)
+    again = run(SCRIPT, [*TINY, "--total-timesteps", 64, "--resume", ckpt], tmp_path / "c")
+    assert "--resume" in error_line(again)
