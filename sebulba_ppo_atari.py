@@ -30,6 +30,7 @@ import hashlib
 import json
 import os
 import queue
+import signal
 import sys
 import threading
 import time
@@ -590,19 +591,96 @@ def duration(seconds):
     return f"{m // 60}h{m % 60:02d}m" if m >= 60 else f"{m}m{s:02d}s"
 
 
-def window_row(stats, learner_s, update, global_step, sps, lr, metrics):
-    """One metrics row from the actor stats and learner timings of a log window."""
-    mean = lambda xs: float(np.mean(xs))
+def new_window():
+    return {"start": time.perf_counter(), "actors": [], "learner_queue_wait": [], "learner_time": []}
+
+
+def window_row(window, update, global_step, sps, lr, metrics):
+    """One metrics row from a log window's actor stats and learner timings."""
+    stats, mean = window["actors"], lambda xs: float(np.mean(xs))
     row = {"global_step": global_step, "update": update, "charts/SPS": sps, "charts/learning_rate": lr,
            "stats/param_lag": max(s.lag for s in stats),
            **{f"losses/{k}": float(v) for k, v in metrics._asdict().items()},
            **{f"stats/{k}": mean([getattr(s, k) for s in stats]) for k in ActorStats._fields[3:]},
-           **{f"stats/{k}": mean(v) for k, v in learner_s.items()}}
+           **{f"stats/{k}": mean(window[k]) for k in ("learner_queue_wait", "learner_time")}}
     returns = [r for s in stats for r in s.returns]
     if returns:
         row["charts/episodic_return"] = mean(returns)
         row["charts/episodic_length"] = mean([n for s in stats for n in s.lengths])
     return row
+
+
+class Loop(NamedTuple):
+    """What the learner loop works with besides its state."""
+    layout: Layout
+    update_fn: object  # the compiled learner update
+    lr_at: object  # optimizer step -> learning rate
+    queues: list  # one bounded queue per local actor thread
+    store: ParamStore
+    stop: threading.Event  # set by a failing actor thread, and at the end
+    interrupted: threading.Event  # set by Ctrl-C
+    writer: SummaryWriter | None  # process 0 only
+    run_path: Path | None
+
+
+def report(args, loop, window, metrics, update, num_updates, elapsed):
+    """Write a metrics row and print the progress line; returns the row."""
+    batch = args.num_steps * loop.layout.num_envs
+    sps = len(window["learner_time"]) * batch / (time.perf_counter() - window["start"])
+    lr = float(loop.lr_at(update * args.update_epochs * args.num_minibatches))
+    row = window_row(window, update, update * batch, sps, lr, metrics)
+    ret = f"{row['charts/episodic_return']:.1f}" if "charts/episodic_return" in row else "-"
+    print(f"update {update}/{num_updates} | step {update * batch:,}/{num_updates * batch:,} "
+          f"({update / num_updates:.0%}) | SPS {sps:,.0f} | return {ret} | ETA {duration(elapsed)}", flush=True)
+    if loop.writer is not None:
+        for k, v in ((k, v) for k, v in row.items() if k != "global_step"):
+            loop.writer.add_scalar(k, v, update * batch)
+        with open(loop.run_path / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(row) + "\n")
+    return row
+
+
+def learn(args, loop, state, start_update, num_updates):
+    """The learner loop (main thread): update u turns rollout u into parameters version u.
+
+    Returns the state, the number of updates done (fewer after Ctrl-C) and the last metrics row.
+    """
+    row, window, t_start = {}, new_window(), time.perf_counter()
+    for update in range(start_update + 1, num_updates + 1):
+        start = time.perf_counter()
+        items = [get(q, loop.stop, loop.interrupted) for q in loop.queues]
+        if any(item is None for item in items):
+            return state, update - 1, row
+        window["learner_queue_wait"].append(time.perf_counter() - start)
+        start = time.perf_counter()
+        state, metrics = loop.update_fn(state, assemble([parts for parts, _ in items], loop.layout))
+        loop.store.publish(update, to_actors(state.params, loop.layout))
+        metrics = jax.device_get(local(metrics))
+        window["learner_time"].append(time.perf_counter() - start)
+        if not all(np.isfinite(metrics)):
+            raise FloatingPointError(f"non-finite loss at update {update} ({metrics}); "
+                                     "the last good checkpoint is left in place")
+        window["actors"] += [stats for _, stats in items]
+        if update % args.log_every == 0 or update == num_updates:
+            per_update = (time.perf_counter() - t_start) / (update - start_update)
+            row = report(args, loop, window, metrics, update, num_updates, (num_updates - update) * per_update)
+            window = new_window()
+        if loop.run_path is not None and update % args.checkpoint_every == 0:
+            save(loop.run_path / "checkpoint.npz", state, update, update * args.num_steps * loop.layout.num_envs)
+    return state, num_updates, row
+
+
+def start_actors(args, layout, store, stop, start_update, num_updates):
+    """The actor threads of this host, each with its own bounded queue (a fixed learner order)."""
+    queues, threads = [], []
+    first = jax.process_index() * len(layout.actor_devices) * args.num_actor_threads
+    for device in [d for d in layout.actor_devices for _ in range(args.num_actor_threads)]:
+        queues.append(queue.Queue(maxsize=1))
+        threads.append(threading.Thread(target=actor_thread, daemon=True, args=(
+            args, first + len(threads), device, layout.learner_devices, store, queues[-1], stop,
+            start_update, num_updates)))
+        threads[-1].start()
+    return queues, threads
 
 
 # ---- The run: actor threads feed the learner (main thread) through bounded queues ---------
@@ -613,20 +691,17 @@ def main(args):
         jax.distributed.initialize(args.coordinator_address, args.num_processes, args.process_id)
     layout = pick_devices(args)
     num_updates = check_sizes(args, layout)
-    batch = args.num_steps * layout.num_envs
     key = jax.random.PRNGKey(args.seed)
     template = jax.eval_shape(partial(init_state, args=args, num_actions=num_actions, num_updates=num_updates), key)
-    start_update, global_step = 0, 0
+    start_update = 0
     if args.resume:
-        host_state, start_update, global_step = load(args.resume, template)
+        host_state, start_update, _ = load(args.resume, template)
         if start_update >= num_updates:
             fail(f"--resume {args.resume!r} is at update {start_update}, the end of a {num_updates}-update "
                  "run: raise --total-timesteps to continue")
     else:
         host_state = jax.device_get(init_state(key, args, num_actions, num_updates))
     state = place(host_state, layout.mesh)
-    update_fn = make_update(args, layout.mesh, num_updates)
-    lr_at = make_optimizer(args, num_updates)[1]
 
     writer, run_path = None, None
     if jax.process_index() == 0:
@@ -634,81 +709,31 @@ def main(args):
         run_path.mkdir(parents=True, exist_ok=True)
         (run_path / "args.json").write_text(json.dumps(asdict(args), indent=2))
         writer = SummaryWriter(str(run_path))
-
-    # Actor threads, one bounded queue each, so the learner takes rollouts in a fixed order.
     stop, interrupted, store = threading.Event(), threading.Event(), ParamStore()
-    signal_ok = threading.current_thread() is threading.main_thread()
-    if signal_ok:  # Ctrl-C: finish the update in flight, write a checkpoint, exit
-        import signal
+    if threading.current_thread() is threading.main_thread():
+        # Ctrl-C: the update in flight finishes, then a checkpoint is written and the run exits.
         signal.signal(signal.SIGINT, lambda *_: interrupted.set())
     store.publish(start_update, to_actors(state.params, layout))
-    queues, threads = [], []
-    first = jax.process_index() * len(layout.actor_devices) * args.num_actor_threads
-    for device in layout.actor_devices:
-        for _ in range(args.num_actor_threads):
-            queues.append(queue.Queue(maxsize=1))
-            threads.append(threading.Thread(target=actor_thread, daemon=True, args=(
-                args, first + len(threads), device, layout.learner_devices, store, queues[-1], stop,
-                start_update, num_updates)))
-    for t in threads:
-        t.start()
-
-    print(f"{args.env_id}: {num_updates} updates of {batch:,} steps; actors {layout.actor_devices} x "
-          f"{args.num_actor_threads} threads x {args.local_num_envs} envs, learners {list(layout.mesh.devices)}")
-    row, window, learner_s = {}, [], {"learner_queue_wait": [], "learner_time": []}
-    t_start = t_window = time.perf_counter()
-    steps_window, update = 0, start_update
+    queues, threads = start_actors(args, layout, store, stop, start_update, num_updates)
+    print(f"{args.env_id}: {num_updates} updates of {args.num_steps * layout.num_envs:,} steps; actors "
+          f"{layout.actor_devices} x {args.num_actor_threads} threads x {args.local_num_envs} envs, learners "
+          f"{list(layout.mesh.devices)}", flush=True)
+    loop = Loop(layout, make_update(args, layout.mesh, num_updates), make_optimizer(args, num_updates)[1],
+                queues, store, stop, interrupted, writer, run_path)
     try:
-        for update in range(start_update, num_updates):
-            start = time.perf_counter()
-            items = [get(q, stop, interrupted) for q in queues]
-            if any(item is None for item in items):
-                break
-            learner_s["learner_queue_wait"].append(time.perf_counter() - start)
-            start = time.perf_counter()
-            state, metrics = update_fn(state, assemble([parts for parts, _ in items], layout))
-            store.publish(update + 1, to_actors(state.params, layout))
-            metrics = jax.device_get(local(metrics))
-            learner_s["learner_time"].append(time.perf_counter() - start)
-            if not all(np.isfinite(metrics)):
-                raise FloatingPointError(f"non-finite loss at update {update + 1} ({metrics}); "
-                                         "the last good checkpoint is left in place")
-            global_step += batch
-            steps_window += batch
-            window += [s for _, s in items]
-            if (update + 1) % args.log_every == 0 or update + 1 == num_updates:
-                now = time.perf_counter()
-                sps = steps_window / (now - t_window)
-                row = window_row(window, learner_s, update + 1, global_step, sps,
-                                 float(lr_at((update + 1) * args.update_epochs * args.num_minibatches)), metrics)
-                eta = (num_updates - update - 1) * (now - t_start) / (update + 1 - start_update)
-                ret = f"{row['charts/episodic_return']:.1f}" if "charts/episodic_return" in row else "-"
-                print(f"update {update + 1}/{num_updates} | step {global_step:,}/{num_updates * batch:,} "
-                      f"({global_step / (num_updates * batch):.0%}) | SPS {sps:,.0f} | return {ret} | "
-                      f"ETA {duration(eta)}", flush=True)
-                if writer is not None:
-                    for k, v in row.items():
-                        if k != "global_step":
-                            writer.add_scalar(k, v, global_step)
-                    with open(run_path / "metrics.jsonl", "a") as f:
-                        f.write(json.dumps(row) + "\n")
-                window, learner_s, steps_window, t_window = [], {k: [] for k in learner_s}, 0, now
-            if run_path is not None and (update + 1) % args.checkpoint_every == 0:
-                save(run_path / "checkpoint.npz", state, update + 1, global_step)
-        else:
-            update = num_updates
+        state, update, row = learn(args, loop, state, start_update, num_updates)
     finally:
-        stop.set()
+        stop.set()  # actor threads end; a failing one already printed its traceback
     for t in threads:
         t.join(timeout=10)
     if run_path is not None:
-        save(run_path / "checkpoint.npz", state, update, global_step)
+        save(run_path / "checkpoint.npz", state, update, update * args.num_steps * layout.num_envs)
         writer.close()
     params = jax.device_get(local(state.params))
     digest = hashlib.sha256(b"".join(np.ascontiguousarray(x).tobytes() for x in flat(params).values()))
     print(f"checksum {digest.hexdigest()}", flush=True)
     if interrupted.is_set():
-        print(f"interrupted at update {update}: checkpoint written to {run_path}", flush=True)
+        print(f"interrupted after update {update}: checkpoint written to {run_path}", flush=True)
         sys.exit(130)
     return row
 
