@@ -70,9 +70,12 @@ def catch_worker(envs, iters):
     train = catch.make_train(args, mesh).lower(learner, n).compile()
     compile_s = time.perf_counter() - start
     steps = iters * args.num_steps * envs * mesh.size
-    jax.block_until_ready((rollout_only(learner), train(init(jax.random.PRNGKey(1)), n)))  # warm up
-    fresh = jax.block_until_ready(init(jax.random.PRNGKey(2)))
-    return {"train_sps": steps / timed(train, fresh, n), "rollout_sps": steps / timed(rollout_only, learner),
+    train_s, rollout_s = [], []
+    for seed in range(4):  # interleaved, best of three after a warm-up: robust to a busy machine
+        fresh = jax.block_until_ready(init(jax.random.PRNGKey(seed)))
+        train_s.append(timed(train, fresh, n))
+        rollout_s.append(timed(rollout_only, learner))
+    return {"train_sps": steps / min(train_s[1:]), "rollout_sps": steps / min(rollout_s[1:]),
             "train_compile_s": compile_s}
 
 
@@ -80,7 +83,7 @@ def bench_catch():
     rows = []
     for devices in (1, 2):
         for envs in (128, 1024):
-            r = worker("catch_worker", devices=devices, envs=envs, iters=50 if envs == 1024 else 200)
+            r = worker("catch_worker", devices=devices, envs=envs, iters=25 if envs == 1024 else 200)
             rows.append({
                 "devices": devices, "envs/device": envs,
                 "train SPS": f"{r['train_sps']:,.0f}", "rollout-only SPS": f"{r['rollout_sps']:,.0f}",
@@ -202,7 +205,60 @@ def bench_ppo_atari():
     return rows
 
 
-CASES = {"catch": bench_catch, "impala": bench_impala, "ppo_atari": bench_ppo_atari}
+
+# ---------------------------------------------------------------------------------------
+# anakin_ppo.py: CartPole-v1 with PureJaxRL's configuration (4 envs x 128 steps, 4 epochs x 4
+# minibatches) and wider ones; training SPS against the rollout-only bound (the same rollouts,
+# actor forward passes and trajectories, no learning), compile time apart, in the same process.
+
+
+def ppo_worker(envs, seeds, updates):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, PartitionSpec as P
+
+    ppo = load("anakin_ppo.py")
+    args = ppo.resolve(ppo.Args(num_envs_per_device=envs, num_seeds=seeds))
+    env = ppo.ENVS[args.env_id]
+    mesh = Mesh(np.array(jax.devices()), (ppo.AXIS,))
+    init, _ = ppo.make_init(args, env, mesh, envs * mesh.size)
+    n = np.int32(updates)
+
+    def rollouts(runner, n):  # per seed and device: what `update` does before learning
+        def one(_, r):
+            key, k_act, k_reset = jax.random.split(r.key, 3)
+            env_state, obs, (traj_obs, actions, steps) = ppo.rollout(r.params, r.env_state, r.obs, k_act, k_reset,
+                                                                     args, env)
+            used = traj_obs.sum() + actions.sum() + steps.final_obs.sum() + steps.reward.sum()  # no dead code
+            return r._replace(env_state=env_state, obs=obs, key=jax.random.fold_in(key, used.astype(jnp.int32)))
+        return jax.lax.fori_loop(0, n, one, runner)
+
+    start = time.perf_counter()
+    train = ppo.make_train(args, env, mesh, updates).lower(init(), n).compile()
+    compile_s = time.perf_counter() - start
+    rollout_only = jax.jit(jax.shard_map(jax.vmap(rollouts, in_axes=(0, None)), mesh=mesh,
+                                         in_specs=(ppo.RUNNER_SPECS, P()), out_specs=ppo.RUNNER_SPECS,
+                                         check_vma=False)).lower(init(), n).compile()
+    jax.block_until_ready((train(init(), n), rollout_only(init(), n)))  # warm up
+    steps = updates * args.num_steps * envs * mesh.size * seeds
+    train_s, rollout_s = timed(train, init(), n), timed(rollout_only, init(), n)
+    return {"train_sps": steps / train_s, "rollout_sps": steps / rollout_s, "train_compile_s": compile_s}
+
+
+def bench_ppo():
+    rows = []
+    for envs, seeds, updates in ((4, 1, 400), (2048, 1, 3), (4, 16, 50)):
+        r = worker("ppo_worker", envs=envs, seeds=seeds, updates=updates)
+        rows.append({
+            "config": f"{envs} envs x 128 steps" + (f", {seeds} seeds" if seeds > 1 else ""),
+            "train SPS": f"{r['train_sps']:,.0f}", "rollout-only SPS": f"{r['rollout_sps']:,.0f}",
+            "ratio": f"{r['train_sps'] / r['rollout_sps']:.0%}", "compile s (train)": f"{r['train_compile_s']:.1f}",
+        })
+    return rows
+
+
+CASES = {"catch": bench_catch, "impala": bench_impala, "ppo_atari": bench_ppo_atari, "ppo": bench_ppo}
 
 
 def table(rows):
