@@ -643,9 +643,10 @@ def main(args: Args) -> dict:
                   f"({done / num_updates:.0%}) | SPS {sps:,.0f} | return {ret} | ETA {duration(eta)}", flush=True)
             if done % args.checkpoint_every < n and done < num_updates:
                 save(checkpoint, runner)
-    except KeyboardInterrupt:
-        print(f"interrupted after update {done}: writing a checkpoint", flush=True)
-        save(checkpoint, runner)
+    except KeyboardInterrupt:  # keep the last finished call's state (a call cut short donated it)
+        if not any(leaf.is_deleted() for leaf in jax.tree.leaves(runner)):
+            print(f"interrupted after update {done}: writing a checkpoint", flush=True)
+            save(checkpoint, runner)
         sys.exit(130)
     save(checkpoint, runner)
     if writer:
