@@ -318,11 +318,6 @@ def pick_devices(args):
     return Mesh(np.array(devices), ("devices",))
 
 
-def to_host(tree):
-    """Every leaf as one NumPy array holding all hosts' shards."""
-    return multihost_utils.process_allgather(tree, tiled=True)
-
-
 def flat(tree):
     return {jax.tree_util.keystr(path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
@@ -331,7 +326,8 @@ COUNTER = jax.ShapeDtypeStruct((), np.int64)
 
 
 def save(path, learner, update, global_step):
-    arrays = {**flat(to_host(learner)), "update": np.int64(update), "global_step": np.int64(global_step)}
+    # every process takes part in gathering the lanes of all hosts; process 0 writes them
+    arrays = {**flat(multihost_utils.process_allgather(learner, tiled=True)), "update": np.int64(update), "global_step": np.int64(global_step)}
     if jax.process_index() != 0:
         return
     tmp = Path(path).with_suffix(".tmp.npz")
