@@ -42,6 +42,7 @@ import threading
 import time
 import traceback
 import warnings
+from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -77,7 +78,7 @@ class Args:
     anneal_lr: bool = True
     """decay the learning rate linearly to 0 over the run (IMPALA paper)"""
     local_num_envs: int | None = None
-    """envs per actor thread (default: 32 for images, 16 for vectors)"""
+    """envs per actor thread (default: 16 for images, 16 for vectors)"""
     num_steps: int | None = None
     """rollout length T, the unroll of the IMPALA paper (default: 20 for images, 16 for vectors)"""
     num_actor_threads: int = 2
@@ -90,8 +91,8 @@ class Args:
     """discount factor"""
     vtrace_lambda: float = 1.0
     """lambda of V-trace's trace coefficients c_t = lambda * min(1, pi/mu)"""
-    ent_coef: float | None = None
-    """entropy bonus coefficient (default: 0.01)"""
+    ent_coef: float = 0.01
+    """entropy bonus coefficient (IMPALA paper's Atari value)"""
     vf_coef: float = 0.5
     """baseline (value) loss coefficient (IMPALA paper: 0.5)"""
     max_grad_norm: float = 40.0
@@ -99,7 +100,7 @@ class Args:
     rmsprop_eps: float | None = None
     """RMSProp epsilon, inside the square root (default: 0.01, the IMPALA paper's, for images; 1e-5 for vectors)"""
     machado: bool = False
-    """Atari only: Machado et al. (2018) protocol: sticky actions 0.25, full action set, no life loss, no no-op starts"""
+    """Atari only: Machado et al. (2018): sticky actions 0.25, full action set, no life loss, no no-op starts"""
     log_every: int | None = None
     """write a metrics row and a progress line every this many updates (default: 10 images, 40 vectors)"""
     checkpoint_every: int = 100
@@ -119,17 +120,18 @@ class Args:
 
 
 # Defaults that depend on the observations. Images: the IMPALA paper's Atari settings
-# (Espeholt et al. 2018, appendix G: unroll 20, lr 6e-4, entropy 0.01, RMSProp eps 0.01).
+# (Espeholt et al. 2018, appendix G: batch 32 trajectories = 2 threads x 16 envs, unroll 20,
+# lr 6e-4, RMSProp eps 0.01).
 # Vectors (CartPole and friends): RMSProp moves each weight by about one step size per
 # update, and CartPole's values grow to ~100 (reward 1 a step, gamma 0.99), so the value
 # head needs a large step size, many small updates and an epsilon below the MLP's tiny
 # gradients. Measured here: CartPole reaches its 500 cap well inside 300k steps (seeds
 # 1 and 2), about 45 s on a busy 2-core CPU.
 DEFAULTS = {
-    "image": dict(total_timesteps=10_000_000, learning_rate=6e-4, local_num_envs=32, num_steps=20,
-                  ent_coef=0.01, rmsprop_eps=0.01, log_every=10),
+    "image": dict(total_timesteps=10_000_000, learning_rate=6e-4, local_num_envs=16, num_steps=20,
+                  rmsprop_eps=0.01, log_every=10),
     "vector": dict(total_timesteps=300_000, learning_rate=5e-3, local_num_envs=16, num_steps=16,
-                   ent_coef=0.01, rmsprop_eps=1e-5, log_every=40),
+                   rmsprop_eps=1e-5, log_every=40),
 }
 
 
@@ -488,10 +490,7 @@ class Payload(NamedTuple):  # what an actor thread sends the learner per rollout
     version: int  # version of the params that acted
     scores: np.ndarray  # whole-game scores of games that ended in this rollout
     lengths: np.ndarray
-    env_time: float  # seconds in env.step
-    inference_time: float  # seconds in the policy (incl. fetching actions)
-    rollout_time: float
-    queue_wait: float  # seconds the previous put waited for room in the queue
+    stats: dict  # seconds per rollout: in env.step, in the policy, in all, and the last put's wait
 
 
 def collect_rollout(envs, env, policy, params, key, state, num_steps):
@@ -534,8 +533,9 @@ def run_actor(args, env, store, stop, out, device_index, learner_devices, seed, 
                 envs, env, policy, params, key, state, args.num_steps)
             shards = [jax.device_put(jax.tree.map(lambda x: x[:, i * width:(i + 1) * width], rollout), d)
                       for i, d in enumerate(learner_devices)]  # split along envs, straight to learners
-            payload = Payload(shards, version, scores, lengths, env_time, infer_time,
-                              time.perf_counter() - start, queue_wait)
+            stats = {"stats/env_step_time": env_time, "stats/inference_time": infer_time,
+                     "stats/rollout_time": time.perf_counter() - start, "stats/actor_queue_wait": queue_wait}
+            payload = Payload(shards, version, scores, lengths, stats)
             start = time.perf_counter()
             put(out, payload, stop)
             queue_wait = time.perf_counter() - start
@@ -651,23 +651,6 @@ def duration(seconds):
     return f"{minutes // 60}h{minutes % 60:02d}m" if minutes >= 60 else f"{minutes}m{seconds:02d}s"
 
 
-def summarize(window, global_step, lr):
-    """A metrics row from the log window's lists (timings are per rollout / per update)."""
-    mean = lambda k: float(np.mean(window[k])) if len(window[k]) else float("nan")  # noqa: E731
-    row = {"global_step": global_step, "charts/SPS": window["steps"] / max(time.time() - window["start"], 1e-9),
-           "charts/learning_rate": lr}
-    if len(window["scores"]):
-        row["charts/episodic_return"] = mean("scores")
-        row["charts/episodic_length"] = mean("lengths")
-    for name in ("loss", "policy_loss", "value_loss", "entropy"):
-        row[f"losses/{name}"] = mean(name)
-    for name in ("env_step_time", "inference_time", "rollout_time", "actor_queue_wait",
-                 "learner_queue_wait", "learner_time"):
-        row[f"stats/{name}"] = mean(name)
-    row["stats/param_lag"] = float(np.max(window["lag"]))
-    return row
-
-
 def main(args: Args) -> dict:
     args, env = resolve_args(args)
     if args.distributed:
@@ -715,13 +698,12 @@ def main(args: Args) -> dict:
     store, stop, errors = ParamStore(layout.actor_devices), threading.Event(), []
     store.publish(state.params, start_update)
     queues, threads = [], []
-    updates = range(start_update + 1, num_updates + 1)
+    updates, actor_key = range(start_update + 1, num_updates + 1), jax.random.fold_in(key, start_update)
     for t in range(threads_per_host):
-        index = pid * threads_per_host + t
+        index = pid * threads_per_host + t  # this thread across all hosts
         queues.append(queue.Queue(maxsize=1))
         thread_args = (args, env, store, stop, queues[-1], t // args.num_actor_threads, layout.learner_devices,
-                       args.seed + index * args.local_num_envs, jax.random.fold_in(jax.random.fold_in(key, start_update), index),
-                       updates)
+                       args.seed + index * args.local_num_envs, jax.random.fold_in(actor_key, index), updates)
         threads.append(threading.Thread(target=guarded(run_actor, stop, errors), args=thread_args,
                                         name=f"actor{t}", daemon=True))
         threads[-1].start()
@@ -766,50 +748,50 @@ def abort(code):
 
 
 def learner_loop(args, learn, progress, queues, store, stop, sharding, writer, save, num_updates, steps_per_update):
-    window = new_window()
-    row = {}
-    for update in range(progress["update"] + 1, num_updates + 1):
+    """The learner (main thread): one update per set of rollouts, new params to the actors."""
+    window, row, since, first = defaultdict(list), {}, time.time(), progress["update"] + 1
+    for update in range(first, num_updates + 1):
         start = time.perf_counter()
         payloads = [get(q, stop) for q in queues]
-        window["learner_queue_wait"].append(time.perf_counter() - start)
-        start = time.perf_counter()
+        waited = time.perf_counter() - start
         state, info = learn(progress["state"], to_learner_batch(payloads, sharding))
         info = LossInfo(*(float(local(x)) for x in info))  # waits for the update
         if not np.isfinite(info.loss):
             raise FloatingPointError(f"non-finite loss {info.loss} at update {update}; the last checkpoint is kept")
         progress.update(state=state, update=update)
         store.publish(state.params, update)
-        window["learner_time"].append(time.perf_counter() - start)
-        record(window, payloads, info, update, steps_per_update)
-        global_step = update * steps_per_update
-        if update % args.log_every == 0 or update == num_updates:
+        record(window, payloads, info, update, {"stats/learner_queue_wait": waited,
+                                                "stats/learner_time": time.perf_counter() - start - waited})
+        # Also log the run's first update: on a CPU an Atari update takes a while, so show life early.
+        if update % args.log_every == 0 or update in (first, num_updates):
             lr = args.learning_rate * (1 - (update - 1) / num_updates if args.anneal_lr else 1.0)
-            row = summarize(window, global_step, lr)
-            log(row, writer, update, num_updates, args.total_timesteps, window)
-            window = new_window()
+            row = {"global_step": update * steps_per_update, "charts/learning_rate": lr,
+                   "charts/SPS": len(window["losses/loss"]) * steps_per_update / (time.time() - since),
+                   **{name: float(np.max(v) if name == "stats/param_lag" else np.mean(v))
+                      for name, v in window.items() if len(v)}}
+            per_update = (time.time() - since) / len(window["losses/loss"])
+            write_row(row, writer, update, num_updates, args.total_timesteps, per_update)
+            window, since = defaultdict(list), time.time()
         if writer is not None and args.checkpoint_every and update % args.checkpoint_every == 0:
             save()
     return row
 
 
-def new_window():
-    names = ("scores", "lengths", "loss", "policy_loss", "value_loss", "entropy", "env_step_time",
-             "inference_time", "rollout_time", "actor_queue_wait", "learner_queue_wait", "learner_time", "lag")
-    return {"start": time.time(), "steps": 0, **{name: [] for name in names}}
-
-
-def record(window, payloads, info, update, steps):
-    for name, value in info._asdict().items():
-        window[name].append(value)
+def record(window, payloads, info, update, learner_stats):
+    """Collect a log window: losses, whole-game episodes, timings, and the parameter lag
+    (the learner's params version minus the acting params' version; at most 1)."""
+    for name, value in [*info._asdict().items(), *learner_stats.items()]:
+        window[name if "/" in name else f"losses/{name}"].append(value)
     for p in payloads:
-        window["scores"].extend(p.scores), window["lengths"].extend(p.lengths)
-        window["env_step_time"].append(p.env_time), window["inference_time"].append(p.inference_time)
-        window["rollout_time"].append(p.rollout_time), window["actor_queue_wait"].append(p.queue_wait)
-        window["lag"].append(update - 1 - p.version)  # learner's params version minus the actor's
-    window["steps"] += steps
+        window["charts/episodic_return"].extend(p.scores)
+        window["charts/episodic_length"].extend(p.lengths)
+        window["stats/param_lag"].append(update - 1 - p.version)
+        for name, value in p.stats.items():
+            window[name].append(value)
 
 
-def log(row, writer, update, num_updates, total, window):
+def write_row(row, writer, update, num_updates, total, per_update):
+    """metrics.jsonl, TensorBoard and the progress line (process 0 only)."""
     if writer is None:
         return
     for name, value in row.items():
@@ -817,12 +799,10 @@ def log(row, writer, update, num_updates, total, window):
             writer.add_scalar(name, value, row["global_step"])
     with open(Path(writer.logdir) / "metrics.jsonl", "a") as f:
         f.write(json.dumps(row) + "\n")
-    step = row["global_step"]
-    elapsed = time.time() - window["start"]
-    ret = f"{row['charts/episodic_return']:.1f}" if "charts/episodic_return" in row else "-"
-    eta = duration((num_updates - update) * elapsed / max(len(window["loss"]), 1))
+    step, ret = row["global_step"], row.get("charts/episodic_return")
+    eta = duration((num_updates - update) * per_update)
     print(f"update {update}/{num_updates} | step {step:,}/{total:,} ({step / total:.0%}) | "
-          f"SPS {row['charts/SPS']:,.0f} | return {ret} | ETA {eta}", flush=True)
+          f"SPS {row['charts/SPS']:,.0f} | return {'-' if ret is None else f'{ret:.1f}'} | ETA {eta}", flush=True)
 
 
 if __name__ == "__main__":
