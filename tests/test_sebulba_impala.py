@@ -229,7 +229,7 @@ def test_custom_gymnasium_env_runs_end_to_end_with_exact_episode_scores(tmp_path
     flags = ["--env-id", "test_envs:Fixed-v0", "--local-num-envs", 4, "--num-steps", 8, "--num-actor-threads", 1,
              "--total-timesteps", 320, "--log-every", 2, "--checkpoint-every", 2, "--learning-rate", 1e-3,
              "--no-anneal-lr", "--gamma", 0.9, "--vtrace-lambda", 0.95, "--ent-coef", 0.02, "--vf-coef", 0.25,
-             "--max-grad-norm", 1.0, "--rmsprop-eps", 1e-4, "--exp-name", "fixed"]
+             "--max-grad-norm", 1.0, "--rmsprop-eps", 1e-4, "--exp-name", "fixed", "--seed", 5]
     result = run(SCRIPT, flags, tmp_path, env=envs_path)
     assert result.returncode == 0, result.output[-3000:]
     assert [row["global_step"] for row in result.metrics] == [32, 64, 128, 192, 256, 320]  # first, every 2nd
@@ -238,7 +238,8 @@ def test_custom_gymnasium_env_runs_end_to_end_with_exact_episode_scores(tmp_path
     assert {row["charts/learning_rate"] for row in result.metrics} == {1e-3}
     assert all(row["stats/param_lag"] <= 1 for row in result.metrics)
     finite_losses(result)
-    assert "fixed" in result.run_dir.name and (result.run_dir / "checkpoint.npz").exists()
+    assert result.run_dir.name.startswith("test_envs_Fixed-v0__fixed__5__")
+    assert (result.run_dir / "checkpoint.npz").exists()
 
 
 ATARI = ["--env-id", "Breakout-v5", "--local-num-envs", 2, "--num-steps", 8, "--log-every", 1]
