@@ -32,6 +32,7 @@ import hashlib
 import json
 import math
 import os
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -604,8 +605,6 @@ def main(args: Args) -> dict:
              f"(--num-steps x envs on all devices = {steps_per_update})")
     init, template = make_init(args, env, mesh, num_envs)
     runner = load(args.resume, template) if args.resume else init()
-    train = make_train(args, env, mesh, num_updates)
-
     writer, run_path = None, None
     if jax.process_index() == 0:
         run_path = Path(args.run_dir) / f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
@@ -614,44 +613,47 @@ def main(args: Args) -> dict:
         writer = SummaryWriter(str(run_path))
     checkpoint = run_path / "checkpoint.npz" if run_path else None
 
+    stop = []  # Ctrl-C: finish the call in flight, write a checkpoint, exit
+    signal.signal(signal.SIGINT, lambda *_: stop.append(True))
+    tick = time.time()  # compiled ahead of time, so SPS never includes compilation
+    train = make_train(args, env, mesh, num_updates).lower(runner, jnp.int32(args.log_every)).compile()
+    print(f"compiled in {time.time() - tick:.1f}s", flush=True)
     done = first = int(jax.device_get(runner.update.addressable_data(0))[0])  # > 0 when resuming
     start, row = time.time(), {}
-    try:
-        while done < num_updates:
-            n = min(args.log_every, num_updates - done)
-            tick = time.time()
-            runner, stats = train(runner, jnp.int32(n))
-            stats = jax.device_get(stats)  # the one host sync of a call
-            losses = jax.tree.map(lambda x: float(np.mean(x) / n), stats.losses)
-            if not all(map(math.isfinite, losses)):
-                fail(f"non-finite loss after update {done + n} ({losses}); the last checkpoint is kept")
-            done += n
-            step = done * steps_per_update
-            sps = n * steps_per_update * args.num_seeds / (time.time() - tick)
-            lr = args.learning_rate * (1 - (done - 1) / num_updates if args.anneal_lr else 1.0)
-            row = metrics_row(stats, lr, step, sps)
-            row.update({f"losses/{k}": v for k, v in losses._asdict().items()})
-            if writer:
-                with open(run_path / "metrics.jsonl", "a") as f:
-                    f.write(json.dumps(row) + "\n")
-                for k, v in row.items():
-                    if k != "global_step":
-                        writer.add_scalar(k, v, step)
-            eta = (time.time() - start) / (done - first) * (num_updates - done)
-            ret = f"{row['charts/episodic_return']:.1f}" if "charts/episodic_return" in row else "-"
-            print(f"update {done}/{num_updates} | step {step:,}/{num_updates * steps_per_update:,} "
-                  f"({done / num_updates:.0%}) | SPS {sps:,.0f} | return {ret} | ETA {duration(eta)}", flush=True)
-            if done % args.checkpoint_every < n and done < num_updates:
-                save(checkpoint, runner)
-    except KeyboardInterrupt:  # keep the last finished call's state (a call cut short donated it)
-        if not any(leaf.is_deleted() for leaf in jax.tree.leaves(runner)):
-            print(f"interrupted after update {done}: writing a checkpoint", flush=True)
+    while done < num_updates and not stop:
+        n = min(args.log_every, num_updates - done)
+        tick = time.time()
+        runner, stats = train(runner, jnp.int32(n))
+        stats = jax.device_get(stats)  # the one host sync of a call
+        losses = jax.tree.map(lambda x: float(np.mean(x) / n), stats.losses)
+        if not all(map(math.isfinite, losses)):
+            sys.exit(f"error: non-finite loss after update {done + n}; the last good checkpoint is kept")
+        done += n
+        step = done * steps_per_update
+        sps = n * steps_per_update * args.num_seeds / (time.time() - tick)
+        lr = args.learning_rate * (1 - (done - 1) / num_updates if args.anneal_lr else 1.0)
+        row = metrics_row(stats, lr, step, sps)
+        row.update({f"losses/{k}": v for k, v in losses._asdict().items()})
+        if writer:
+            with open(run_path / "metrics.jsonl", "a") as f:
+                f.write(json.dumps(row) + "\n")
+            for k, v in row.items():
+                if k != "global_step":
+                    writer.add_scalar(k, v, step)
+        eta = (time.time() - start) / (done - first) * (num_updates - done)
+        ret = f"{row['charts/episodic_return']:.1f}" if "charts/episodic_return" in row else "-"
+        print(f"update {done}/{num_updates} | step {step:,}/{num_updates * steps_per_update:,} "
+              f"({done / num_updates:.0%}) | SPS {sps:,.0f} | return {ret} | ETA {duration(eta)}", flush=True)
+        if done % args.checkpoint_every < n and done < num_updates:
             save(checkpoint, runner)
-        sys.exit(130)
     save(checkpoint, runner)
     if writer:
         writer.close()
-    print(f"checksum {checksum(runner.params)}", flush=True)
+    if stop:
+        print(f"interrupted after update {done}: checkpoint written", flush=True)
+        sys.exit(130)
+    row["checksum"] = checksum(runner.params)
+    print(f"checksum {row['checksum']}", flush=True)
     return row
 
 

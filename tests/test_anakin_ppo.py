@@ -48,17 +48,18 @@ def lockstep(env_id, policy, seed, n):
     env = ppo.ENVS[env_id]
     states, actions, steps = jax_trajectory(env, policy, jax.random.PRNGKey(seed), n)
     gym_env = gym.make(env_id)
-    ends = {"terminated": 0, "truncated": 0}
+    gym_obs, gym_rewards, gym_terminated, gym_truncated = [], [], [], []
     for i in range(n):
         if states.t[i] == 0:  # the JAX env began an episode: so does gymnasium's TimeLimit
             gym_env.reset(seed=seed + i)
         gym_env.unwrapped.state = states.inner[i].astype(np.float64)
         obs, reward, terminated, truncated, _ = gym_env.step(to_gym_action(env_id, actions[i]))
-        np.testing.assert_allclose(steps.final_obs[i], obs, rtol=0, atol=1e-5, err_msg=f"step {i}")
-        np.testing.assert_allclose(steps.reward[i], reward, rtol=1e-5, atol=1e-5, err_msg=f"step {i}")
-        assert steps.terminated[i] == terminated and steps.truncated[i] == truncated, f"step {i}"
-        ends["terminated"] += terminated
-        ends["truncated"] += truncated
+        gym_obs.append(obs), gym_rewards.append(reward), gym_terminated.append(terminated), gym_truncated.append(truncated)
+    np.testing.assert_allclose(steps.final_obs, np.array(gym_obs), rtol=0, atol=1e-5)
+    np.testing.assert_allclose(steps.reward, np.array(gym_rewards), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(steps.terminated, gym_terminated)
+    np.testing.assert_array_equal(steps.truncated, gym_truncated)
+    ends = {"terminated": int(np.sum(gym_terminated)), "truncated": int(np.sum(gym_truncated))}
     return ends
 
 
