@@ -26,7 +26,7 @@ is one `jit(shard_map(...))` over the learner devices of every host.
                                stats/param_lag); V-trace corrects for that lag.
 
   python sebulba_impala.py --env-id CartPole-v1
-  python sebulba_impala.py --env-id Pong-v5 --actor-device-ids 0 --learner-device-ids 1 2 3
+  python sebulba_impala.py --env-id Pong-v5 --actor-device-ids 0 --learner-device-ids 1 2 3 4
   python sebulba_impala.py --env-id Breakout-v5 --distributed   # once per host (SLURM, TPU pods)
 """
 
@@ -627,7 +627,7 @@ def save_checkpoint(path, tree):
 
 
 def load_checkpoint(path, template):
-    """Arrays of `path` in the structure of `template` (shapes and dtypes checked)."""
+    """Arrays of `path` in the structure of `template` (names and shapes checked)."""
     flat, treedef = jax.tree_util.tree_flatten_with_path(template)
     with np.load(path, allow_pickle=False) as data:
         leaves = []
