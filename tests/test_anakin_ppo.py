@@ -2,6 +2,8 @@
 against NumPy, then end-to-end runs (learning, devices, seeds, hosts, resume, bad input)."""
 
 import math
+import signal
+import subprocess
 
 import gymnasium as gym
 import jax
@@ -9,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import checksum, error_line, load, run, run_two_hosts
+from conftest import _env, checksum, command, error_line, load, run, run_two_hosts
 
 ppo = load("anakin_ppo.py")
 SCRIPT = "anakin_ppo.py"
@@ -297,3 +299,21 @@ def test_resuming_a_checkpoint_of_another_configuration_is_a_clear_error(tmp_pat
     line = error_line(run(SCRIPT, ["--num-envs-per-device", 8, "--resume", first.run_dir / "checkpoint.npz"],
                           tmp_path / "b"))
     assert "does not match this run" in line
+
+
+def test_ctrl_c_finishes_the_call_writes_a_checkpoint_and_exits(tmp_path):
+    args = ["--total-timesteps", 50_000_000, "--log-every", 5, "--run-dir", tmp_path / "runs"]
+    proc = subprocess.Popen(command(SCRIPT, args), cwd=tmp_path, env=_env(1, None), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        for line in proc.stdout:  # training has started: interrupt it
+            if line.startswith("update "):
+                break
+        proc.send_signal(signal.SIGINT)
+        output = line + proc.communicate(timeout=300)[0]
+    finally:
+        proc.kill()
+    assert proc.returncode == 130 and "interrupted after update" in output, output[-3000:]
+    with np.load(next((tmp_path / "runs").glob("*/checkpoint.npz")), allow_pickle=False) as f:
+        updates = int(f[".update"][0])
+    assert updates > 0 and updates % 5 == 0  # the state after a whole call
