@@ -240,7 +240,8 @@ def ppo_worker(envs, seeds, updates):
     rollout_only = jax.jit(jax.shard_map(jax.vmap(rollouts, in_axes=(0, None)), mesh=mesh,
                                          in_specs=(ppo.RUNNER_SPECS, P()), out_specs=ppo.RUNNER_SPECS,
                                          check_vma=False)).lower(init(), n).compile()
-    jax.block_until_ready((train(init(), n), rollout_only(init(), n)))  # warm up
+    jax.block_until_ready(train(init(), n))  # warm up, one program at a time
+    jax.block_until_ready(rollout_only(init(), n))
     steps = updates * args.num_steps * envs * mesh.size * seeds
     train_s, rollout_s = timed(train, init(), n), timed(rollout_only, init(), n)
     return {"train_sps": steps / train_s, "rollout_sps": steps / rollout_s, "train_compile_s": compile_s}
