@@ -3,7 +3,6 @@ against NumPy, then end-to-end runs (learning, devices, seeds, hosts, resume, ba
 
 import math
 import signal
-import subprocess
 
 import gymnasium as gym
 import jax
@@ -11,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import _env, checksum, command, error_line, load, run, run_two_hosts
+from conftest import checksum, error_line, load, run, run_two_hosts, spawn
 
 ppo = load("anakin_ppo.py")
 SCRIPT = "anakin_ppo.py"
@@ -303,8 +302,7 @@ def test_resuming_a_checkpoint_of_another_configuration_is_a_clear_error(tmp_pat
 
 def test_ctrl_c_finishes_the_call_writes_a_checkpoint_and_exits(tmp_path):
     args = ["--total-timesteps", 50_000_000, "--log-every", 5, "--run-dir", tmp_path / "runs"]
-    proc = subprocess.Popen(command(SCRIPT, args), cwd=tmp_path, env=_env(1, None), text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = spawn(SCRIPT, args, tmp_path)
     try:
         for line in proc.stdout:  # training has started: interrupt it
             if line.startswith("update "):
