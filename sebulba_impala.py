@@ -43,7 +43,6 @@ import time
 import traceback
 import warnings
 from collections import defaultdict
-from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
@@ -52,8 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import tyro
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import envpool
 import gymnasium as gym
@@ -63,7 +61,7 @@ from tensorboardX import SummaryWriter
 warnings.filterwarnings("ignore", message=".*precision lowered.*")
 
 
-@dataclass
+@dataclasses.dataclass
 class Args:
     env_id: str = "Breakout-v5"
     """an envpool id (Atari `*-v5`, `CartPole-v1`, ...) or any gymnasium id (`module:Name-v0` imports `module` first)"""
@@ -77,8 +75,8 @@ class Args:
     """RMSProp step size (default: 6e-4 for images, the IMPALA paper's; 5e-3 for vectors)"""
     anneal_lr: bool = True
     """decay the learning rate linearly to 0 over the run (IMPALA paper)"""
-    local_num_envs: int | None = None
-    """envs per actor thread (default: 16 for images, 16 for vectors)"""
+    local_num_envs: int = 16
+    """envs per actor thread"""
     num_steps: int | None = None
     """rollout length T, the unroll of the IMPALA paper (default: 20 for images, 16 for vectors)"""
     num_actor_threads: int = 2
@@ -121,17 +119,12 @@ class Args:
 
 # Defaults that depend on the observations. Images: the IMPALA paper's Atari settings
 # (Espeholt et al. 2018, appendix G: batch 32 trajectories = 2 threads x 16 envs, unroll 20,
-# lr 6e-4, RMSProp eps 0.01).
-# Vectors (CartPole and friends): RMSProp moves each weight by about one step size per
-# update, and CartPole's values grow to ~100 (reward 1 a step, gamma 0.99), so the value
-# head needs a large step size, many small updates and an epsilon below the MLP's tiny
-# gradients. Measured here: CartPole reaches its 500 cap well inside 300k steps (seeds
-# 1 and 2), about 45 s on a busy 2-core CPU.
+# lr 6e-4, RMSProp eps 0.01). Vectors: CartPole's values grow to ~100 and RMSProp moves each
+# weight by about one step size per update, so the value head needs a large step size, many
+# small updates and an epsilon below the MLP's tiny gradients (measured: 500 well inside 300k).
 DEFAULTS = {
-    "image": dict(total_timesteps=10_000_000, learning_rate=6e-4, local_num_envs=16, num_steps=20,
-                  rmsprop_eps=0.01, log_every=10),
-    "vector": dict(total_timesteps=300_000, learning_rate=5e-3, local_num_envs=16, num_steps=16,
-                   rmsprop_eps=1e-5, log_every=40),
+    "image": dict(total_timesteps=10_000_000, learning_rate=6e-4, num_steps=20, rmsprop_eps=0.01, log_every=10),
+    "vector": dict(total_timesteps=300_000, learning_rate=5e-3, num_steps=16, rmsprop_eps=1e-5, log_every=40),
 }
 
 
@@ -153,8 +146,8 @@ class EnvInfo(NamedTuple):
 
 
 def atari_kwargs(machado):
-    """envpool settings. IMPALA paper: life loss ends a training episode, rewards clipped to
-    [-1, 1], 30 no-op starts (frame skip 4, 4-frame stack, 84x84 grey are envpool's defaults)."""
+    # IMPALA paper: life loss ends a training episode, rewards clipped to [-1, 1], 30 no-op
+    # starts (frame skip 4, 4-frame stack, 84x84 grey are envpool's defaults).
     if machado:  # Machado et al. 2018: stochasticity from sticky actions instead of no-ops
         return dict(episodic_life=False, reward_clip=True, noop_max=0,
                     repeat_action_probability=0.25, full_action_space=True)
@@ -162,8 +155,7 @@ def atari_kwargs(machado):
 
 
 def describe_env(env_id, machado):
-    """Find the id in envpool or gymnasium and check its spaces, without starting an env
-    (gymnasium ids are built once, not stepped, since their spaces need an instance)."""
+    """Find the id in envpool or gymnasium and check its spaces before any env is stepped."""
     if env_id in envpool.list_all_envs():
         spec = envpool.make_spec(env_id)
         atari = hasattr(spec.config, "episodic_life")
@@ -179,7 +171,7 @@ def describe_env(env_id, machado):
         if name not in gym.registry:
             close = difflib.get_close_matches(name, [*envpool.list_all_envs(), *gym.registry], n=3)
             fail("--env-id", env_id, f"unknown environment; close matches: {', '.join(close) or 'none'}")
-        probe = gym.make(name)
+        probe = gym.make(name)  # gymnasium's spaces need an instance
         obs_space, act_space, source, atari = probe.observation_space, probe.action_space, "gymnasium", False
         probe.close()
     if machado and not atari:
@@ -240,9 +232,9 @@ class ActorState(NamedTuple):
 
 
 def track_episodes(state, step):
-    """Whole-game scores and lengths; returns the new state and the (scores, lengths) of
-    games that ended on this step. A reset step (after any episode end, life loss included)
-    ignores the action, so it is no step of any game."""
+    """Whole-game bookkeeping: the new state and (scores, lengths) of the games that ended on
+    this step. A reset step (after any episode end, life loss included) ignores the action, so
+    it is no step of any game."""
     returns = state.returns + step.score
     lengths = state.lengths + ~state.ended
     over = step.game_over
@@ -294,15 +286,12 @@ def conv(p, x):  # x [N, H, W, C]; 3x3, stride 1, same padding
                                         dimension_numbers=("NHWC", "HWIO", "NHWC")) + p["b"]
 
 
-def max_pool(x):  # 3x3 window, stride 2, same padding
-    return jax.lax.reduce_window(x, -jnp.inf, jax.lax.max, (1, 3, 3, 1), (1, 2, 2, 1), "SAME")
-
-
 def resnet_torso(params, obs):  # obs [N, C, H, W] uint8 -> [N, 256]
     x = jnp.transpose(obs, (0, 2, 3, 1)).astype(jnp.float32) / 255.0
     for i in range(len(IMPALA_CHANNELS)):
         p = params[f"stack{i}"]
-        x = max_pool(conv(p["conv"], x))
+        x = conv(p["conv"], x)  # then a 3x3 max-pool with stride 2:
+        x = jax.lax.reduce_window(x, -jnp.inf, jax.lax.max, (1, 3, 3, 1), (1, 2, 2, 1), "SAME")
         for j in (0, 2):  # residual block: x + conv(relu(conv(relu(x))))
             x = x + conv(p[f"res{j + 1}"], jax.nn.relu(conv(p[f"res{j}"], jax.nn.relu(x))))
     x = jax.nn.relu(x).reshape(x.shape[0], -1)
@@ -319,11 +308,10 @@ def apply(params, obs):
     batch_shape = obs.shape[: obs.ndim - (3 if image else 1)]
     x = obs.reshape(-1, *obs.shape[len(batch_shape):])
     if image:
-        h = resnet_torso(params, x)
-        logits, value = dense(params["policy"], h), dense(params["value"], h)[:, 0]
+        policy_h = value_h = resnet_torso(params, x)
     else:
-        logits = dense(params["policy"], mlp_torso(params, x, "policy"))
-        value = dense(params["value"], mlp_torso(params, x, "value"))[:, 0]
+        policy_h, value_h = mlp_torso(params, x, "policy"), mlp_torso(params, x, "value")
+    logits, value = dense(params["policy"], policy_h), dense(params["value"], value_h)[:, 0]
     return logits.reshape(*batch_shape, -1), value.reshape(batch_shape)
 
 
@@ -346,7 +334,7 @@ class VTrace(NamedTuple):
     pg_advantages: jax.Array  # [T, B] rho_s (r_s + gamma_s v_{s+1} - V(x_s))
 
 
-def vtrace(values, rewards, discounts, rhos, valid, lambda_, rho_bar=1.0, c_bar=1.0):
+def vtrace(values, rewards, discounts, rhos, valid, lambda_):
     """V-trace targets by the paper's recursion v_s - V(x_s) = delta_s + gamma_s c_s (v_{s+1} - V(x_{s+1})).
 
     values [T+1, B] are V(x_0..x_T); the rest are [T, B]. discounts are gamma, or 0 where the
@@ -354,8 +342,8 @@ def vtrace(values, rewards, discounts, rhos, valid, lambda_, rho_bar=1.0, c_bar=
     observation, so it bootstraps from its value). A reset step (valid 0) contributes
     nothing and cuts the trace, so no target reaches across an episode boundary.
     """
-    clipped_rhos = jnp.minimum(rho_bar, rhos)
-    cs = lambda_ * jnp.minimum(c_bar, rhos)
+    clipped_rhos = jnp.minimum(1.0, rhos)  # rho-bar = c-bar = 1
+    cs = lambda_ * clipped_rhos
     deltas = valid * clipped_rhos * (rewards + discounts * values[1:] - values[:-1])
 
     def backward(correction, x):  # correction = v_{s+1} - V(x_{s+1})
@@ -379,8 +367,8 @@ class LossInfo(NamedTuple):
 
 
 def impala_loss(params, batch, num_valid, gamma, lambda_, vf_coef, ent_coef):
-    """The IMPALA loss as sums over this batch's valid steps divided by `num_valid`, the
-    valid steps of the whole global batch, so that summing across devices gives the mean."""
+    """Sums over this batch's valid steps divided by `num_valid`, the valid steps of the whole
+    global batch, so that summing across devices gives the mean."""
     logits, values = apply(params, batch.obs)  # [T+1, B, A], [T+1, B]
     logp = jax.nn.log_softmax(logits[:-1])
     logp_taken = jnp.take_along_axis(logp, batch.actions[..., None], -1)[..., 0]
@@ -411,8 +399,7 @@ def make_optimizer(args, num_updates):
                        optax.rmsprop(lr, decay=0.99, eps=args.rmsprop_eps))
 
 
-def sample_action(params, obs, key):
-    """The actor's jitted policy: sampling happens on the actor device."""
+def sample_action(params, obs, key):  # jitted by each actor thread: sampling stays on its device
     key, subkey = jax.random.split(key)
     logits, _ = apply(params, obs)
     return jax.random.categorical(subkey, logits).astype(jnp.int32), logits, key
@@ -440,20 +427,12 @@ class Stopped(Exception):
     """Another thread failed or the run was interrupted."""
 
 
-def put(q, item, stop):  # bounded queues: wait, but never past a stop
+def until_stopped(op, stop, *op_args):
+    """`q.put`/`q.get` on a bounded queue: wait, but never past a stop."""
     while not stop.is_set():
         try:
-            return q.put(item, timeout=0.5)
-        except queue.Full:
-            pass
-    raise Stopped
-
-
-def get(q, stop):
-    while not stop.is_set():
-        try:
-            return q.get(timeout=0.5)
-        except queue.Empty:
+            return op(*op_args, timeout=0.5)
+        except (queue.Full, queue.Empty):
             pass
     raise Stopped
 
@@ -517,10 +496,9 @@ def collect_rollout(envs, env, policy, params, key, state, num_steps):
 
 def run_actor(args, env, store, stop, out, device_index, learner_devices, seed, key, updates):
     """One actor thread: its own envs, acting on actor device `device_index`."""
-    device = store.devices[device_index]
     envs = make_envs(args.env_id, env, args.local_num_envs, seed, args.machado)
     policy = jax.jit(sample_action)
-    key = jax.device_put(key, device)
+    key = jax.device_put(key, store.devices[device_index])
     n = args.local_num_envs
     state = ActorState(reset_envs(envs, env, seed), np.zeros(n, bool), np.zeros(n), np.zeros(n, int))
     queue_wait, width = 0.0, n // len(learner_devices)
@@ -535,25 +513,22 @@ def run_actor(args, env, store, stop, out, device_index, learner_devices, seed, 
                       for i, d in enumerate(learner_devices)]  # split along envs, straight to learners
             stats = {"stats/env_step_time": env_time, "stats/inference_time": infer_time,
                      "stats/rollout_time": time.perf_counter() - start, "stats/actor_queue_wait": queue_wait}
-            payload = Payload(shards, version, scores, lengths, stats)
             start = time.perf_counter()
-            put(out, payload, stop)
+            until_stopped(out.put, stop, Payload(shards, version, scores, lengths, stats))
             queue_wait = time.perf_counter() - start
     finally:
         envs.close()
 
 
-def guarded(fn, stop, errors):
-    """Run `fn` in a thread; on an exception keep its traceback and stop everything."""
-    def run(*fn_args):
-        try:
-            fn(*fn_args)
-        except Stopped:
-            pass
-        except BaseException:
-            errors.append(f"in thread {threading.current_thread().name}:\n{traceback.format_exc()}")
-            stop.set()
-    return run
+def guarded(fn, stop, errors, *fn_args):
+    """A thread's body: on an exception keep its traceback and stop everything."""
+    try:
+        fn(*fn_args)
+    except Stopped:
+        pass
+    except BaseException:
+        errors.append(f"in thread {threading.current_thread().name}:\n{traceback.format_exc()}")
+        stop.set()
 
 
 class Layout(NamedTuple):
@@ -596,6 +571,36 @@ def to_learner_batch(payloads, sharding):
     return jax.tree.map(global_array, *per_device)
 
 
+def learner_loop(args, learn, progress, queues, store, stop, sharding, writer, save, num_updates, steps_per_update):
+    """The learner (main thread): one update per set of rollouts, new params to the actors."""
+    window, row, since, first = defaultdict(list), {}, time.time(), progress["update"] + 1
+    for update in range(first, num_updates + 1):
+        start = time.perf_counter()
+        payloads = [until_stopped(q.get, stop) for q in queues]
+        waited = time.perf_counter() - start
+        state, info = learn(progress["state"], to_learner_batch(payloads, sharding))
+        info = LossInfo(*(float(local(x)) for x in info))  # waits for the update
+        if not np.isfinite(info.loss):
+            raise FloatingPointError(f"non-finite loss {info.loss} at update {update}; the last checkpoint is kept")
+        progress.update(state=state, update=update)
+        store.publish(state.params, update)
+        record(window, payloads, info, update, {"stats/learner_queue_wait": waited,
+                                                "stats/learner_time": time.perf_counter() - start - waited})
+        # Also log the run's first update: on a CPU an Atari update takes a while, so show life early.
+        if update % args.log_every == 0 or update in (first, num_updates):
+            lr = args.learning_rate * (1 - (update - 1) / num_updates if args.anneal_lr else 1.0)
+            row = {"global_step": update * steps_per_update, "charts/learning_rate": lr,
+                   "charts/SPS": len(window["losses/loss"]) * steps_per_update / (time.time() - since),
+                   **{name: float(np.max(v) if name == "stats/param_lag" else np.mean(v))
+                      for name, v in window.items() if len(v)}}
+            per_update = (time.time() - since) / len(window["losses/loss"])
+            write_row(row, writer, update, num_updates, args.total_timesteps, per_update)
+            window, since = defaultdict(list), time.time()
+        if writer is not None and args.checkpoint_every and update % args.checkpoint_every == 0:
+            save()
+    return row
+
+
 # ---------------------------------------------------------------------------------------
 # Plumbing: arguments, checkpoints, logging.
 
@@ -620,12 +625,6 @@ def tree_arrays(tree):  # {key path: host array}, the checkpoint's naming
     return {jax.tree_util.keystr(p, simple=True, separator="/"): np.asarray(local(x)) for p, x in flat}
 
 
-def save_checkpoint(path, tree):
-    tmp = path.with_name("checkpoint.tmp.npz")
-    np.savez(tmp, **tree_arrays(tree))
-    os.replace(tmp, path)  # never a torn checkpoint
-
-
 def load_checkpoint(path, template):
     """Arrays of `path` in the structure of `template` (names and shapes checked)."""
     flat, treedef = jax.tree_util.tree_flatten_with_path(template)
@@ -639,16 +638,40 @@ def load_checkpoint(path, template):
     return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
-def checksum(params):
-    digest = hashlib.sha256()
-    for x in tree_arrays(params).values():
-        digest.update(x.tobytes())
-    return digest.hexdigest()
+def abort(code):
+    """Exit now. Threads may sit inside envpool or XLA; a normal interpreter shutdown could
+    wait on them or race their teardown, so a failed or interrupted run ends with os._exit."""
+    sys.stdout.flush(), sys.stderr.flush()
+    os._exit(code)
 
 
-def duration(seconds):
-    minutes, seconds = divmod(int(seconds), 60)
-    return f"{minutes // 60}h{minutes % 60:02d}m" if minutes >= 60 else f"{minutes}m{seconds:02d}s"
+def record(window, payloads, info, update, learner_stats):
+    """Add one update to the log window. stats/param_lag is the learner's params version minus
+    the acting params' version (at most 1)."""
+    for name, value in [*info._asdict().items(), *learner_stats.items()]:
+        window[name if "/" in name else f"losses/{name}"].append(value)
+    for p in payloads:
+        window["charts/episodic_return"].extend(p.scores)
+        window["charts/episodic_length"].extend(p.lengths)
+        window["stats/param_lag"].append(update - 1 - p.version)
+        for name, value in p.stats.items():
+            window[name].append(value)
+
+
+def write_row(row, writer, update, num_updates, total, per_update):
+    """metrics.jsonl, TensorBoard and the progress line (process 0 only)."""
+    if writer is None:
+        return
+    for name, value in row.items():
+        if name != "global_step":
+            writer.add_scalar(name, value, row["global_step"])
+    with open(Path(writer.logdir) / "metrics.jsonl", "a") as f:
+        f.write(json.dumps(row) + "\n")
+    step, ret = row["global_step"], row.get("charts/episodic_return")
+    minutes, seconds = divmod(int((num_updates - update) * per_update), 60)
+    eta = f"{minutes // 60}h{minutes % 60:02d}m" if minutes >= 60 else f"{minutes}m{seconds:02d}s"
+    print(f"update {update}/{num_updates} | step {step:,}/{total:,} ({step / total:.0%}) | "
+          f"SPS {row['charts/SPS']:,.0f} | return {'-' if ret is None else f'{ret:.1f}'} | ETA {eta}", flush=True)
 
 
 def main(args: Args) -> dict:
@@ -704,7 +727,7 @@ def main(args: Args) -> dict:
         queues.append(queue.Queue(maxsize=1))
         thread_args = (args, env, store, stop, queues[-1], t // args.num_actor_threads, layout.learner_devices,
                        args.seed + index * args.local_num_envs, jax.random.fold_in(actor_key, index), updates)
-        threads.append(threading.Thread(target=guarded(run_actor, stop, errors), args=thread_args,
+        threads.append(threading.Thread(target=guarded, args=(run_actor, stop, errors, *thread_args),
                                         name=f"actor{t}", daemon=True))
         threads[-1].start()
 
@@ -712,8 +735,10 @@ def main(args: Args) -> dict:
     ckpt_path = run_dir / "checkpoint.npz"
 
     def save():  # the learner state, the update count and the run's RNG key
-        save_checkpoint(ckpt_path, {"state": progress["state"], "update": np.int64(progress["update"]),
-                                    "key": jax.random.key_data(key)})
+        tmp = ckpt_path.with_name("checkpoint.tmp.npz")
+        np.savez(tmp, **tree_arrays({"state": progress["state"], "update": np.int64(progress["update"]),
+                                     "key": jax.random.key_data(key)}))
+        os.replace(tmp, ckpt_path)  # never a torn checkpoint
 
     try:
         row = learner_loop(args, learn, progress, queues, store, stop, batch_sharding, writer, save, num_updates,
@@ -736,73 +761,9 @@ def main(args: Args) -> dict:
     if pid == 0:
         save()
         writer.close()
-    print(f"checksum {checksum(progress['state'].params)}", flush=True)
+    digest = hashlib.sha256(b"".join(x.tobytes() for x in tree_arrays(progress["state"].params).values()))
+    print(f"checksum {digest.hexdigest()}", flush=True)
     return {**row, "run_dir": str(run_dir)}
-
-
-def abort(code):
-    """Exit now. Threads may sit inside envpool or XLA; a normal interpreter shutdown could
-    wait on them or race their teardown, so a failed or interrupted run ends with os._exit."""
-    sys.stdout.flush(), sys.stderr.flush()
-    os._exit(code)
-
-
-def learner_loop(args, learn, progress, queues, store, stop, sharding, writer, save, num_updates, steps_per_update):
-    """The learner (main thread): one update per set of rollouts, new params to the actors."""
-    window, row, since, first = defaultdict(list), {}, time.time(), progress["update"] + 1
-    for update in range(first, num_updates + 1):
-        start = time.perf_counter()
-        payloads = [get(q, stop) for q in queues]
-        waited = time.perf_counter() - start
-        state, info = learn(progress["state"], to_learner_batch(payloads, sharding))
-        info = LossInfo(*(float(local(x)) for x in info))  # waits for the update
-        if not np.isfinite(info.loss):
-            raise FloatingPointError(f"non-finite loss {info.loss} at update {update}; the last checkpoint is kept")
-        progress.update(state=state, update=update)
-        store.publish(state.params, update)
-        record(window, payloads, info, update, {"stats/learner_queue_wait": waited,
-                                                "stats/learner_time": time.perf_counter() - start - waited})
-        # Also log the run's first update: on a CPU an Atari update takes a while, so show life early.
-        if update % args.log_every == 0 or update in (first, num_updates):
-            lr = args.learning_rate * (1 - (update - 1) / num_updates if args.anneal_lr else 1.0)
-            row = {"global_step": update * steps_per_update, "charts/learning_rate": lr,
-                   "charts/SPS": len(window["losses/loss"]) * steps_per_update / (time.time() - since),
-                   **{name: float(np.max(v) if name == "stats/param_lag" else np.mean(v))
-                      for name, v in window.items() if len(v)}}
-            per_update = (time.time() - since) / len(window["losses/loss"])
-            write_row(row, writer, update, num_updates, args.total_timesteps, per_update)
-            window, since = defaultdict(list), time.time()
-        if writer is not None and args.checkpoint_every and update % args.checkpoint_every == 0:
-            save()
-    return row
-
-
-def record(window, payloads, info, update, learner_stats):
-    """Collect a log window: losses, whole-game episodes, timings, and the parameter lag
-    (the learner's params version minus the acting params' version; at most 1)."""
-    for name, value in [*info._asdict().items(), *learner_stats.items()]:
-        window[name if "/" in name else f"losses/{name}"].append(value)
-    for p in payloads:
-        window["charts/episodic_return"].extend(p.scores)
-        window["charts/episodic_length"].extend(p.lengths)
-        window["stats/param_lag"].append(update - 1 - p.version)
-        for name, value in p.stats.items():
-            window[name].append(value)
-
-
-def write_row(row, writer, update, num_updates, total, per_update):
-    """metrics.jsonl, TensorBoard and the progress line (process 0 only)."""
-    if writer is None:
-        return
-    for name, value in row.items():
-        if name != "global_step":
-            writer.add_scalar(name, value, row["global_step"])
-    with open(Path(writer.logdir) / "metrics.jsonl", "a") as f:
-        f.write(json.dumps(row) + "\n")
-    step, ret = row["global_step"], row.get("charts/episodic_return")
-    eta = duration((num_updates - update) * per_update)
-    print(f"update {update}/{num_updates} | step {step:,}/{total:,} ({step / total:.0%}) | "
-          f"SPS {row['charts/SPS']:,.0f} | return {'-' if ret is None else f'{ret:.1f}'} | ETA {eta}", flush=True)
 
 
 if __name__ == "__main__":
