@@ -1,11 +1,9 @@
 """Sebulba PPO on Atari: the Podracer paper's actor/learner split (Hessel et al. 2021, section 4)
 running the PPO Atari recipe (Schulman et al. 2017; the CleanRL/Cleanba settings).
 
-Atari runs on the host CPU (envpool), so acting and learning are separate programs on separate
-devices. Actor threads each own an envpool batch and a jitted policy on their actor device; each
-rollout is split along the env axis and put straight onto the learner devices; the learner is one
-`jit` + `shard_map` over the learner devices of every host that does all PPO epochs and minibatches,
-averaging gradients across learners (and hosts), then sends the new parameters to the actors.
+Atari runs on the host CPU (envpool), so acting and learning run on separate devices: actor
+threads step envpool with a jitted policy; the learner, one `jit` + `shard_map` over the learner
+devices of every host, runs all PPO epochs and minibatches and sends new parameters back.
 
     host CPU (per host)                 actor device(s)              learner devices (all hosts)
     -------------------                 ---------------              ---------------------------
@@ -135,17 +133,14 @@ def make_envs(args, num_envs, seed):
 CONVS = ((8, 4, 32), (4, 2, 64), (3, 1, 64))  # (kernel, stride, channels)
 
 
-def init_params(key, num_actions, frames=4):
-    keys = jax.random.split(key, len(CONVS) + 3)
-    ortho = jax.nn.initializers.orthogonal
-    params, c_in = {}, frames
-    for i, (k, _, c_out) in enumerate(CONVS):
-        params[f"conv{i}"] = {"w": ortho(np.sqrt(2))(keys[i], (k, k, c_in, c_out)), "b": jnp.zeros(c_out)}
-        c_in = c_out
-    dense = lambda key, n_in, n_out, scale: {"w": ortho(scale)(key, (n_in, n_out)), "b": jnp.zeros(n_out)}
-    params["hidden"] = dense(keys[-3], 7 * 7 * 64, 512, np.sqrt(2))
-    params["policy"] = dense(keys[-2], 512, num_actions, 0.01)  # near-uniform first policy
-    params["value"] = dense(keys[-1], 512, 1, 1.0)
+def init_params(key, num_actions):
+    keys, ortho = jax.random.split(key, len(CONVS) + 3), jax.nn.initializers.orthogonal
+    layer = lambda key, shape, scale: {"w": ortho(scale)(key, shape), "b": jnp.zeros(shape[-1])}
+    params = {f"conv{i}": layer(keys[i], (k, k, c_in, c_out), np.sqrt(2))
+              for i, ((k, _, c_out), c_in) in enumerate(zip(CONVS, (4, 32, 64)))}  # 4 stacked frames in
+    params["hidden"] = layer(keys[-3], (7 * 7 * 64, 512), np.sqrt(2))
+    params["policy"] = layer(keys[-2], (512, num_actions), 0.01)  # near-uniform first policy
+    params["value"] = layer(keys[-1], (512, 1), 1.0)
     return params
 
 
@@ -160,6 +155,10 @@ def apply(params, obs):
     x = jax.nn.relu(x.reshape(x.shape[0], -1) @ params["hidden"]["w"] + params["hidden"]["b"])
     logits = x @ params["policy"]["w"] + params["policy"]["b"]
     return logits, (x @ params["value"]["w"] + params["value"]["b"])[:, 0]
+
+
+def log_prob(logits, actions):
+    return jnp.take_along_axis(jax.nn.log_softmax(logits), actions[:, None], -1)[:, 0]
 
 
 # ---- The loss: GAE (Schulman et al. 2016) and PPO's clipped objective (2017) --------------
@@ -229,8 +228,7 @@ class Metrics(NamedTuple):
 def ppo_loss(params, mb, args, axis_name):
     """This learner's share of the global minibatch's mean PPO loss (psum over learners = mean)."""
     logits, values = apply(params, mb.obs)
-    logp = jnp.take_along_axis(jax.nn.log_softmax(logits), mb.actions[:, None], -1)[:, 0]
-    log_ratio = logp - mb.logprobs
+    log_ratio = log_prob(logits, mb.actions) - mb.logprobs
     ratio = jnp.exp(log_ratio)
     advantages = normalize(mb.advantages, mb.mask, axis_name)
     n = jax.lax.psum(mb.mask.sum(), axis_name)
@@ -253,8 +251,7 @@ def act(params, obs, key):
     key, sub = jax.random.split(key)
     logits, values = apply(params, obs)
     actions = jax.random.categorical(sub, logits)
-    logprobs = jnp.take_along_axis(jax.nn.log_softmax(logits), actions[:, None], -1)[:, 0]
-    return actions, logprobs, values, key
+    return actions, log_prob(logits, actions), values, key
 
 
 class Rollout(NamedTuple):
@@ -292,28 +289,26 @@ class ActorStats(NamedTuple):
 def collect(envs, params, carry, num_steps):
     """Step the envs `num_steps` times with the policy: (Rollout, ActorCarry, returns, lengths, times)."""
     steps, returns, lengths, inference_s, env_s = [], [], [], 0.0, 0.0
-    c = carry
     for _ in range(num_steps):
         t0 = time.perf_counter()
-        action, logprob, value, key = act(params, c.obs, c.key)
+        action, logprob, value, key = act(params, carry.obs, carry.key)
         action, logprob, value = jax.device_get((action, logprob, value))
         t1 = time.perf_counter()
         obs, reward, terminated, truncated, info = envs.step(action)
         inference_s, env_s = inference_s + t1 - t0, env_s + time.perf_counter() - t1
-        valid = ~c.prev_done
-        game_return, game_length = c.game_return + info["reward"], c.game_length + valid
+        valid = ~carry.prev_done
+        game_return, game_length = carry.game_return + info["reward"], carry.game_length + valid
         game_over = info["terminated"].astype(bool) | truncated
         returns += game_return[game_over].tolist()
         lengths += game_length[game_over].tolist()
         done = terminated | truncated
-        steps.append((c.obs, action, logprob, value, reward, terminated, done, valid))
-        c = ActorCarry(obs, key, done, np.where(game_over, 0.0, game_return), np.where(game_over, 0, game_length))
-    _, _, bootstrap, key = act(params, c.obs, c.key)
-    obs, actions, logprobs, values, rewards, terminated, dones, valid = (np.stack(x) for x in zip(*steps))
+        steps.append((carry.obs, action, logprob, value, reward, terminated, done, valid))
+        carry = ActorCarry(obs, key, done, np.where(game_over, 0.0, game_return), np.where(game_over, 0, game_length))
+    _, _, bootstrap, key = act(params, carry.obs, carry.key)
+    obs, actions, logprobs, values, *floats = (np.stack(x) for x in zip(*steps))
     values = np.concatenate([values, np.asarray(bootstrap)[None]])
-    rollout = Rollout(obs, actions, logprobs, values, rewards.astype(np.float32),
-                      terminated.astype(np.float32), dones.astype(np.float32), valid.astype(np.float32))
-    return rollout, c._replace(key=key), returns, lengths, (inference_s, env_s)
+    rollout = Rollout(obs, actions, logprobs, values, *(x.astype(np.float32) for x in floats))
+    return rollout, carry._replace(key=key), returns, lengths, (inference_s, env_s)
 
 
 class ParamStore:
@@ -337,28 +332,20 @@ class ParamStore:
 
 
 def put(q, item, stop):
-    """Put on a bounded queue without ever blocking past a stop."""
+    """Put on a bounded queue without ever blocking past a stop (the actor then ends at its next wait)."""
     while not stop.is_set():
         try:
-            return q.put(item, timeout=0.5) or True
+            return q.put(item, timeout=0.5)
         except queue.Full:
             continue
-    return False
 
 
-def to_learners(rollout, devices):
-    """Split a rollout along the env axis and put each part straight onto its learner device."""
-    parts = [np.split(x, len(devices), axis=1) for x in rollout]
-    return [jax.device_put(Rollout(*(p[i] for p in parts)), d) for i, d in enumerate(devices)]
-
-
-def actor_loop(args, index, device, learner_devices, store, out, stop, start_update, num_updates):
+def actor_loop(stop, args, index, device, learner_devices, store, out, start_update, num_updates):
     """One actor thread (paper section 4): act on `device`, ship each rollout to the learners."""
-    envs = make_envs(args, args.local_num_envs, args.seed + index * args.local_num_envs)
-    obs, _ = envs.reset()
-    key = jax.device_put(jax.random.fold_in(jax.random.PRNGKey(args.seed), 1 + index), device)
     n = args.local_num_envs
-    carry = ActorCarry(obs, key, np.zeros(n, bool), np.zeros(n), np.zeros(n, np.int64))
+    envs = make_envs(args, n, args.seed + index * n)
+    key = jax.device_put(jax.random.fold_in(jax.random.PRNGKey(args.seed), 1 + index), device)
+    carry = ActorCarry(envs.reset()[0], key, np.zeros(n, bool), np.zeros(n), np.zeros(n, np.int64))
     put_s = 0.0  # a rollout's queue wait is known only after it is sent: reported with the next
     for update in range(start_update, num_updates):
         start = time.perf_counter()
@@ -370,21 +357,21 @@ def actor_loop(args, index, device, learner_devices, store, out, stop, start_upd
         version, params = got
         waited = time.perf_counter() - start
         rollout, carry, returns, lengths, (inference_s, env_s) = collect(envs, params[device], carry, args.num_steps)
-        parts = to_learners(rollout, learner_devices)
+        splits = [np.split(x, len(learner_devices), axis=1) for x in rollout]  # each learner's envs
+        parts = [jax.device_put(Rollout(*(s[i] for s in splits)), d) for i, d in enumerate(learner_devices)]
         stats = ActorStats(returns, lengths, update - version, time.perf_counter() - start - waited,
                            inference_s, env_s, waited, put_s)
         start = time.perf_counter()
-        if not put(out, (parts, stats), stop):
-            return
+        put(out, (parts, stats), stop)
         put_s = time.perf_counter() - start
 
 
-def actor_thread(*args):
+def actor_thread(stop, *args):
     try:
-        actor_loop(*args)
+        actor_loop(stop, *args)
     except BaseException:
         traceback.print_exc()  # this thread's traceback; the learner sees `stop` and ends the run
-        args[6].set()
+        stop.set()
 
 
 # ---- Learning (learner devices): one PPO update in one compiled call ------------------------
@@ -395,30 +382,31 @@ class TrainState(NamedTuple):
     key: jax.Array  # minibatch shuffling, the same on every learner
 
 
+def learning_rate(args, num_updates, update):
+    """The learning rate after `update` updates: annealed linearly to 0 with --anneal-lr."""
+    return args.learning_rate * (1.0 - update / num_updates if args.anneal_lr else 1.0)
+
+
 def make_optimizer(args, num_updates):
-    """Adam with global-norm clipping; the learning rate steps down linearly once per update."""
+    """Adam with global-norm clipping; its learning rate steps down once per update, not per step."""
     steps_per_update = args.update_epochs * args.num_minibatches
-
-    def learning_rate(count):
-        done = count // steps_per_update
-        return args.learning_rate * (1.0 - done / num_updates if args.anneal_lr else 1.0)
-
-    return optax.chain(optax.clip_by_global_norm(args.max_grad_norm), optax.adam(learning_rate, eps=1e-5)), learning_rate
+    lr = lambda count: learning_rate(args, num_updates, count // steps_per_update)
+    return optax.chain(optax.clip_by_global_norm(args.max_grad_norm), optax.adam(lr, eps=1e-5))
 
 
 def init_state(key, args, num_actions, num_updates):
     k_params, k_learn = jax.random.split(key)
     params = init_params(k_params, num_actions)
-    return TrainState(params, make_optimizer(args, num_updates)[0].init(params), k_learn)
+    return TrainState(params, make_optimizer(args, num_updates).init(params), k_learn)
 
 
 def learner_update(state, rollout, args, optimizer):
     """One PPO update on this learner's share [T, E_l, ...] of the rollouts (inside shard_map)."""
     advantages = gae(rollout.rewards, rollout.values, rollout.terminated, rollout.dones, args.gamma, args.gae_lambda)
-    flat = lambda x: x.reshape(-1, *x.shape[2:])  # [T, E_l, ...] -> [N, ...]
     old_values = rollout.values[:-1]
-    samples = Samples(flat(rollout.obs), flat(rollout.actions), flat(rollout.logprobs), flat(old_values),
-                      flat(advantages), flat(advantages + old_values), flat(rollout.valid))
+    samples = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]),  # [T, E_l, ...] -> [N, ...]
+                           Samples(rollout.obs, rollout.actions, rollout.logprobs, old_values, advantages,
+                                   advantages + old_values, rollout.valid))
     params, opt_state, key = state
     metrics = []
     # Epochs and minibatches are Python loops, unrolled inside the jit: on XLA:CPU a conv
@@ -438,7 +426,7 @@ def learner_update(state, rollout, args, optimizer):
 
 def make_update(args, mesh, num_updates):
     """The learner: `learner_update` on every learner device of every host, one compiled call."""
-    update = partial(learner_update, args=args, optimizer=make_optimizer(args, num_updates)[0])
+    update = partial(learner_update, args=args, optimizer=make_optimizer(args, num_updates))
     # check_vma=False: params enter replicated (P()) and ppo_loss returns each learner's share of
     # the global mean, so we psum the gradients ourselves; with check_vma=True JAX would already
     # sum a replicated input's gradient across the mesh and our psum would double it.
@@ -528,11 +516,10 @@ def check_sizes(args, layout):
     n_learners = len(layout.learner_devices)
     if args.local_num_envs % n_learners:
         fail(f"--local-num-envs {args.local_num_envs} must divide evenly across {n_learners} learner devices")
-    rows = args.num_steps * layout.num_envs // layout.mesh.size  # samples on each learner
-    if rows % args.num_minibatches:
-        fail(f"--num-minibatches {args.num_minibatches} must divide the {rows} samples on each learner "
-             f"(--num-steps x envs per learner)")
     batch = args.num_steps * layout.num_envs
+    if (batch // layout.mesh.size) % args.num_minibatches:
+        fail(f"--num-minibatches {args.num_minibatches} must divide the {batch // layout.mesh.size} samples "
+             "on each learner (--num-steps x envs per learner)")
     if args.total_timesteps < batch:
         fail(f"--total-timesteps {args.total_timesteps} is less than one update ({batch:,} steps = "
              f"--num-steps {args.num_steps} x {layout.num_envs} envs)")
@@ -551,7 +538,7 @@ def save(path, state, update, global_step):
 
 
 def load(path, template):
-    """A host TrainState and its counters from a checkpoint, checked against `template`."""
+    """A host TrainState and its update counter from a checkpoint, checked against `template`."""
     try:
         with np.load(path, allow_pickle=False) as f:
             arrays = dict(f)
@@ -565,13 +552,7 @@ def load(path, template):
             fail(f"--resume {path!r} does not match this run: {name} is {found}, expected "
                  f"{spec.dtype}{list(spec.shape)} (same --env-id?)")
     state = jax.tree.unflatten(jax.tree.structure(template), [arrays[name] for name in expected])
-    return state, int(arrays["update"]), int(arrays["global_step"])
-
-
-def place(state, mesh):
-    """A host TrainState replicated on every learner device of every host."""
-    sharding = NamedSharding(mesh, P())
-    return jax.tree.map(lambda a: jax.make_array_from_callback(a.shape, sharding, lambda i: a[i]), state)
+    return state, int(arrays["update"])
 
 
 def get(q, stop, interrupted):
@@ -591,30 +572,10 @@ def duration(seconds):
     return f"{m // 60}h{m % 60:02d}m" if m >= 60 else f"{m}m{s:02d}s"
 
 
-def new_window():
-    return {"start": time.perf_counter(), "actors": [], "learner_queue_wait": [], "learner_time": []}
-
-
-def window_row(window, update, global_step, sps, lr, metrics):
-    """One metrics row from a log window's actor stats and learner timings."""
-    stats, mean = window["actors"], lambda xs: float(np.mean(xs))
-    row = {"global_step": global_step, "update": update, "charts/SPS": sps, "charts/learning_rate": lr,
-           "stats/param_lag": max(s.lag for s in stats),
-           **{f"losses/{k}": float(v) for k, v in metrics._asdict().items()},
-           **{f"stats/{k}": mean([getattr(s, k) for s in stats]) for k in ActorStats._fields[3:]},
-           **{f"stats/{k}": mean(window[k]) for k in ("learner_queue_wait", "learner_time")}}
-    returns = [r for s in stats for r in s.returns]
-    if returns:
-        row["charts/episodic_return"] = mean(returns)
-        row["charts/episodic_length"] = mean([n for s in stats for n in s.lengths])
-    return row
-
-
 class Loop(NamedTuple):
     """What the learner loop works with besides its state."""
     layout: Layout
     update_fn: object  # the compiled learner update
-    lr_at: object  # optimizer step -> learning rate
     queues: list  # one bounded queue per local actor thread
     store: ParamStore
     stop: threading.Event  # set by a failing actor thread, and at the end
@@ -623,15 +584,23 @@ class Loop(NamedTuple):
     run_path: Path | None
 
 
-def report(args, loop, window, metrics, update, num_updates, elapsed):
-    """Write a metrics row and print the progress line; returns the row."""
-    batch = args.num_steps * loop.layout.num_envs
+def report(args, loop, window, metrics, update, num_updates, eta):
+    """Write a metrics row (CleanRL's names) for the log window, print the progress line; returns the row."""
+    batch, stats, mean = args.num_steps * loop.layout.num_envs, window["actors"], lambda xs: float(np.mean(xs))
     sps = len(window["learner_time"]) * batch / (time.perf_counter() - window["start"])
-    lr = float(loop.lr_at(update * args.update_epochs * args.num_minibatches))
-    row = window_row(window, update, update * batch, sps, lr, metrics)
-    ret = f"{row['charts/episodic_return']:.1f}" if "charts/episodic_return" in row else "-"
+    row = {"global_step": update * batch, "update": update, "charts/SPS": sps,
+           "charts/learning_rate": learning_rate(args, num_updates, update),
+           "stats/param_lag": max(s.lag for s in stats),
+           **{f"losses/{k}": float(v) for k, v in metrics._asdict().items()},
+           **{f"stats/{k}": mean([getattr(s, k) for s in stats]) for k in ActorStats._fields[3:]},
+           **{f"stats/{k}": mean(window[k]) for k in ("learner_queue_wait", "learner_time")}}
+    returns = [r for s in stats for r in s.returns]
+    if returns:
+        row["charts/episodic_return"] = mean(returns)
+        row["charts/episodic_length"] = mean([n for s in stats for n in s.lengths])
+    ret = f"{row['charts/episodic_return']:.1f}" if returns else "-"
     print(f"update {update}/{num_updates} | step {update * batch:,}/{num_updates * batch:,} "
-          f"({update / num_updates:.0%}) | SPS {sps:,.0f} | return {ret} | ETA {duration(elapsed)}", flush=True)
+          f"({update / num_updates:.0%}) | SPS {sps:,.0f} | return {ret} | ETA {duration(eta)}", flush=True)
     if loop.writer is not None:
         for k, v in ((k, v) for k, v in row.items() if k != "global_step"):
             loop.writer.add_scalar(k, v, update * batch)
@@ -641,10 +610,9 @@ def report(args, loop, window, metrics, update, num_updates, elapsed):
 
 
 def learn(args, loop, state, start_update, num_updates):
-    """The learner loop (main thread): update u turns rollout u into parameters version u.
-
-    Returns the state, the number of updates done (fewer after Ctrl-C) and the last metrics row.
-    """
+    """The learner loop (main thread): update u turns rollout u into parameters version u. Returns the
+    state, the number of updates done (fewer after Ctrl-C) and the last metrics row."""
+    new_window = lambda: {"start": time.perf_counter(), "actors": [], "learner_queue_wait": [], "learner_time": []}
     row, window, t_start = {}, new_window(), time.perf_counter()
     for update in range(start_update + 1, num_updates + 1):
         start = time.perf_counter()
@@ -671,15 +639,15 @@ def learn(args, loop, state, start_update, num_updates):
 
 
 def start_actors(args, layout, store, stop, start_update, num_updates):
-    """The actor threads of this host, each with its own bounded queue (a fixed learner order)."""
-    queues, threads = [], []
-    first = jax.process_index() * len(layout.actor_devices) * args.num_actor_threads
-    for device in [d for d in layout.actor_devices for _ in range(args.num_actor_threads)]:
-        queues.append(queue.Queue(maxsize=1))
-        threads.append(threading.Thread(target=actor_thread, daemon=True, args=(
-            args, first + len(threads), device, layout.learner_devices, store, queues[-1], stop,
-            start_update, num_updates)))
-        threads[-1].start()
+    """This host's actor threads, each with its own bounded queue (read by the learner in a fixed order)."""
+    queues = [queue.Queue(maxsize=1) for _ in range(len(layout.actor_devices) * args.num_actor_threads)]
+    devices = [d for d in layout.actor_devices for _ in range(args.num_actor_threads)]
+    first = jax.process_index() * len(queues)  # global thread indices: env seeds differ across hosts
+    threads = [threading.Thread(target=actor_thread, daemon=True, args=(
+        stop, args, first + i, device, layout.learner_devices, store, q, start_update, num_updates))
+        for i, (device, q) in enumerate(zip(devices, queues))]
+    for t in threads:
+        t.start()
     return queues, threads
 
 
@@ -692,17 +660,17 @@ def main(args):
     layout = pick_devices(args)
     num_updates = check_sizes(args, layout)
     key = jax.random.PRNGKey(args.seed)
-    template = jax.eval_shape(partial(init_state, args=args, num_actions=num_actions, num_updates=num_updates), key)
     start_update = 0
     if args.resume:
-        host_state, start_update, _ = load(args.resume, template)
+        template = jax.eval_shape(partial(init_state, args=args, num_actions=num_actions, num_updates=num_updates), key)
+        host_state, start_update = load(args.resume, template)
         if start_update >= num_updates:
             fail(f"--resume {args.resume!r} is at update {start_update}, the end of a {num_updates}-update "
                  "run: raise --total-timesteps to continue")
     else:
         host_state = jax.device_get(init_state(key, args, num_actions, num_updates))
-    state = place(host_state, layout.mesh)
-
+    replicated = NamedSharding(layout.mesh, P())  # on every learner device of every host
+    state = jax.tree.map(lambda a: jax.make_array_from_callback(a.shape, replicated, lambda i: a[i]), host_state)
     writer, run_path = None, None
     if jax.process_index() == 0:
         run_path = Path(args.run_dir) / f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
@@ -718,8 +686,7 @@ def main(args):
     print(f"{args.env_id}: {num_updates} updates of {args.num_steps * layout.num_envs:,} steps; actors "
           f"{layout.actor_devices} x {args.num_actor_threads} threads x {args.local_num_envs} envs, learners "
           f"{list(layout.mesh.devices)}", flush=True)
-    loop = Loop(layout, make_update(args, layout.mesh, num_updates), make_optimizer(args, num_updates)[1],
-                queues, store, stop, interrupted, writer, run_path)
+    loop = Loop(layout, make_update(args, layout.mesh, num_updates), queues, store, stop, interrupted, writer, run_path)
     try:
         state, update, row = learn(args, loop, state, start_update, num_updates)
     finally:
