@@ -2,15 +2,13 @@
 paper, episode bookkeeping against envpool's own counters, learning on CartPole, a custom
 gymnasium env, Atari device layouts, two hosts, faults, Ctrl-C and resume, bad input."""
 
-import os
 import signal
-import subprocess
 import time
 
 import numpy as np
 import pytest
 
-from conftest import checksum, command, error_line, load, run, run_two_hosts
+from conftest import checksum, error_line, load, run, run_two_hosts, spawn
 
 SCRIPT = "sebulba_impala.py"
 
@@ -290,17 +288,10 @@ def test_a_failing_thread_ends_the_run_quickly_with_its_traceback(tmp_path, envs
     assert ended - float((tmp_path / "fault_time").read_text()) < 30
 
 
-def popen(args, cwd):
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu",
-               PYTHONUNBUFFERED="1")
-    return subprocess.Popen(command(SCRIPT, args), cwd=cwd, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-
-
 def test_ctrl_c_writes_a_loadable_checkpoint_and_resume_continues_from_it(tmp_path):
     flags = ["--env-id", "CartPole-v1", "--local-num-envs", 8, "--num-steps", 16, "--num-actor-threads", 1,
              "--log-every", 5, "--checkpoint-every", 0]
-    proc = popen([*flags, "--total-timesteps", 10**7, "--run-dir", tmp_path / "first"], tmp_path)
+    proc = spawn(SCRIPT, [*flags, "--total-timesteps", 10**7, "--run-dir", tmp_path / "first"], tmp_path)
     output = []
     for line in proc.stdout:
         output.append(line)
