@@ -37,6 +37,7 @@ import importlib
 import json
 import os
 import queue
+import signal
 import sys
 import threading
 import time
@@ -740,22 +741,26 @@ def main(args: Args) -> dict:
                                      "key": jax.random.key_data(key)}))
         os.replace(tmp, ckpt_path)  # never a torn checkpoint
 
+    # Ctrl-C only sets flags: a KeyboardInterrupt raised inside JAX or envpool could leave a
+    # lock held and hang the checkpoint. Every thread stops at its next queue wait instead.
+    interrupted = threading.Event()
+    signal.signal(signal.SIGINT, lambda *_: (interrupted.set(), stop.set()))
     try:
         row = learner_loop(args, learn, progress, queues, store, stop, batch_sharding, writer, save, num_updates,
                            steps_per_update)
-    except KeyboardInterrupt:
+    except BaseException:
         stop.set()
+        if not interrupted.is_set():
+            for thread in threads:
+                thread.join(timeout=5)
+            print("".join(errors) or traceback.format_exc(), file=sys.stderr, flush=True)
+            abort(1)
+    if interrupted.is_set():
         if pid == 0:
             save()
             writer.close()
         print(f"interrupted at update {progress['update']}: checkpoint written to {ckpt_path}", flush=True)
         abort(130)
-    except BaseException:
-        stop.set()
-        for thread in threads:
-            thread.join(timeout=5)
-        print("".join(errors) or traceback.format_exc(), file=sys.stderr, flush=True)
-        abort(1)
     for thread in threads:
         thread.join(timeout=30)
     if pid == 0:
