@@ -2,16 +2,16 @@
 
 The environment is written in JAX, so acting and learning are one XLA program. Its minimal
 unit is `lane_loss`: one environment lane rolls out 16 steps with the Q-network and scores
-them with Q(lambda). That unit is `vmap`ped over the envs of a device, many updates are
-`scan`ned into one compiled call, and the call is replicated over every device (and host)
-with `jit` + `shard_map`; gradients are averaged over envs and then across devices.
+them with Q(lambda). That unit is `vmap`ped over the envs of a device, many updates loop
+(`fori_loop`) inside one compiled call, and the call is replicated over every device (and
+host) with `jit` + `shard_map`; gradients are averaged over envs and then across devices.
 
     host (Python)          one call = `--log-every` updates, no return to Python between them
     -------------          ---------------------------------------------------------------------
                            device 0                          device 1  ...  (every host)
     init / resume  ---->   params, opt state (one copy)      params, opt state (same copy)
                            envs 0..E-1 (lanes, vmap)         envs E..2E-1
-                           scan over updates:                scan over updates:
+                           loop over updates:                loop over updates:
                              rollout 16 steps + Q(lambda)      rollout 16 steps + Q(lambda)
                              grads = mean over lanes           grads = mean over lanes
                                    <------- pmean over "devices" (all hosts) ------->
