@@ -94,32 +94,30 @@ def bench_catch():
 
 
 # ---------------------------------------------------------------------------------------
-# sebulba_impala.py: end-to-end training SPS against envpool's raw random-action SPS with the
-# same envs and threads (the bound the actors cannot beat), measured in the same process.
+# The Sebulba scripts: end-to-end training SPS against envpool's raw random-action SPS with
+# the same envs and threads (the bound the actors cannot beat), measured in the same process;
+# seconds per learner update and per rollout from the run's last log window.
 
 
-def impala_worker(env_id, flags, updates, log_every):
+def sebulba_result(main, args, make_envs, num_actions, updates, log_every):
+    """Train with `main`, then step `make_envs(seed)` batches at random in as many threads."""
     import dataclasses
     import tempfile
     import threading
 
     import numpy as np
 
-    impala = load("sebulba_impala.py")
-    args, env = impala.resolve_args(impala.Args(env_id=env_id, **flags))
-    threads = args.num_actor_threads  # one actor device here
-    batch = args.num_steps * args.local_num_envs * threads
+    n, threads = args.local_num_envs, args.num_actor_threads  # one actor device here
+    batch = args.num_steps * n * threads
     with tempfile.TemporaryDirectory() as run_dir:
         args = dataclasses.replace(args, total_timesteps=updates * batch, log_every=log_every, run_dir=run_dir)
-        row = impala.main(args)  # the last log window: compile time excluded
+        row = main(args)  # the last log window: compile time excluded
 
     def random_steps(seed, steps, counts):
-        envs = impala.make_envs(env_id, env, args.local_num_envs, seed, False)
-        rng = np.random.default_rng(seed)
-        impala.reset_envs(envs, env, seed)
+        envs, rng = make_envs(seed), np.random.default_rng(seed)
         for _ in range(steps):
-            envs.step(rng.integers(0, env.num_actions, args.local_num_envs).astype(np.int32))
-        counts.append(steps * args.local_num_envs)
+            envs.step(rng.integers(0, num_actions, n).astype(np.int32))
+        counts.append(steps * n)
 
     counts, steps = [], max(200, 20 * args.num_steps)
     start = time.perf_counter()
@@ -128,82 +126,60 @@ def impala_worker(env_id, flags, updates, log_every):
         t.start()
     for t in pool:
         t.join()
-    raw_sps = sum(counts) / (time.perf_counter() - start)
-    return {"envs": f"{args.local_num_envs} x {threads} threads", "batch": batch, "train_sps": row["charts/SPS"],
-            "raw_sps": raw_sps, "update_s": row["stats/learner_time"], "rollout_s": row["stats/rollout_time"],
-            "env_s": row["stats/env_step_time"], "inference_s": row["stats/inference_time"]}
+    return {"envs": f"{n} x {threads} threads", "batch": batch, "train_sps": row["charts/SPS"],
+            "raw_sps": sum(counts) / (time.perf_counter() - start), "update_s": row["stats/learner_time"],
+            "rollout_s": row["stats/rollout_time"], "env_s": row["stats/env_step_time"],
+            "inference_s": row["stats/inference_time"]}
+
+
+def sebulba_row(r, digits):
+    return {"envs": r["envs"], "batch": r["batch"], "train SPS": f"{r['train_sps']:,.0f}",
+            "raw env SPS": f"{r['raw_sps']:,.0f}", "ratio": f"{r['train_sps'] / r['raw_sps']:.1%}",
+            **{name: f"{r[key]:.{digits}f}" for name, key in [("s/update", "update_s"), ("s/rollout", "rollout_s"),
+                                                              ("env s/rollout", "env_s"),
+                                                              ("inference s/rollout", "inference_s")]}}
+
+
+def impala_worker(env_id, flags, updates, log_every):
+    impala = load("sebulba_impala.py")
+    args, env = impala.resolve_args(impala.Args(env_id=env_id, **flags))
+
+    def make_envs(seed):
+        envs = impala.make_envs(env_id, env, args.local_num_envs, seed, False)
+        impala.reset_envs(envs, env, seed)
+        return envs
+
+    return sebulba_result(impala.main, args, make_envs, env.num_actions, updates, log_every)
 
 
 def bench_impala():
-    rows = []
     cases = [("Breakout-v5", {"local_num_envs": 8, "num_steps": 20}, 9, 3),  # the default network
              ("CartPole-v1", {}, 200, 50)]
-    for env_id, flags, updates, log_every in cases:
-        r = worker("impala_worker", env_id=env_id, flags=flags, updates=updates, log_every=log_every)
-        rows.append({
-            "env": env_id, "envs": r["envs"], "batch": r["batch"],
-            "train SPS": f"{r['train_sps']:,.0f}", "raw env SPS": f"{r['raw_sps']:,.0f}",
-            "ratio": f"{r['train_sps'] / r['raw_sps']:.1%}", "s/update": f"{r['update_s']:.3f}",
-            "s/rollout": f"{r['rollout_s']:.3f}", "env s/rollout": f"{r['env_s']:.3f}",
-            "inference s/rollout": f"{r['inference_s']:.3f}",
-        })
-    return rows
-
-
-# ---------------------------------------------------------------------------------------
-# sebulba_ppo_atari.py: Breakout-v5 end-to-end SPS against envpool's raw random-action SPS with
-# the same envs and threads, in the same process; seconds per learner update and per rollout.
+    return [{"env": env_id, **sebulba_row(worker("impala_worker", env_id=env_id, flags=flags, updates=updates,
+                                                 log_every=log_every), digits=3)}
+            for env_id, flags, updates, log_every in cases]
 
 
 def ppo_atari_worker(flags, updates, log_every):
-    import dataclasses
-    import tempfile
-    import threading
-
-    import numpy as np
-
     ppo = load("sebulba_ppo_atari.py")
     args = ppo.Args(env_id="Breakout-v5", **flags)
-    threads, batch = args.num_actor_threads, args.num_steps * args.local_num_envs * args.num_actor_threads
-    with tempfile.TemporaryDirectory() as run_dir:
-        args = dataclasses.replace(args, total_timesteps=updates * batch, log_every=log_every, run_dir=run_dir)
-        row = ppo.main(args)  # the last log window: compile time excluded
 
-    def random_steps(seed, steps, counts):
+    def make_envs(seed):
         envs = ppo.make_envs(args, args.local_num_envs, seed)
         envs.reset()
-        rng = np.random.default_rng(seed)
-        for _ in range(steps):
-            envs.step(rng.integers(0, envs.action_space.n, args.local_num_envs).astype(np.int32))
-        counts.append(steps * args.local_num_envs)
+        return envs
 
-    counts, steps = [], max(200, 5 * args.num_steps)
-    start = time.perf_counter()
-    pool = [threading.Thread(target=random_steps, args=(i, steps, counts)) for i in range(threads)]
-    for t in pool:
-        t.start()
-    for t in pool:
-        t.join()
-    raw_sps = sum(counts) / (time.perf_counter() - start)
-    return {"envs": f"{args.local_num_envs} x {threads} threads", "batch": batch, "train_sps": row["charts/SPS"],
-            "raw_sps": raw_sps, "update_s": row["stats/learner_time"], "rollout_s": row["stats/rollout_time"],
-            "env_s": row["stats/env_step_time"], "inference_s": row["stats/inference_time"]}
+    return sebulba_result(ppo.main, args, make_envs, ppo.make_envs(args, 1, 0).action_space.n, updates, log_every)
 
 
 def bench_ppo_atari():
-    rows = []
     base = {"local_num_envs": 8, "num_actor_threads": 2, "num_steps": 32}  # batch 512, minibatches 128
-    for flags in ({**base, "update_epochs": 4}, {**base, "update_epochs": 1}):
-        r = worker("ppo_atari_worker", flags=flags, updates=6, log_every=3)
-        rows.append({
-            "env": "Breakout-v5", "envs": r["envs"], "batch": r["batch"], "epochs": flags["update_epochs"],
-            "train SPS": f"{r['train_sps']:,.0f}", "raw env SPS": f"{r['raw_sps']:,.0f}",
-            "ratio": f"{r['train_sps'] / r['raw_sps']:.1%}", "s/update": f"{r['update_s']:.2f}",
-            "s/rollout": f"{r['rollout_s']:.2f}", "env s/rollout": f"{r['env_s']:.2f}",
-            "inference s/rollout": f"{r['inference_s']:.2f}",
-        })
+    rows = []
+    for epochs in (4, 1):
+        r = worker("ppo_atari_worker", flags={**base, "update_epochs": epochs}, updates=6, log_every=3)
+        rows.append({"env": "Breakout-v5", "envs": r["envs"], "batch": r["batch"], "epochs": epochs,
+                     **sebulba_row(r, digits=2)})
     return rows
-
 
 
 # ---------------------------------------------------------------------------------------
