@@ -327,7 +327,8 @@ COUNTER = jax.ShapeDtypeStruct((), np.int64)
 
 def save(path, learner, update, global_step):
     # every process takes part in gathering the lanes of all hosts; process 0 writes them
-    arrays = {**flat(multihost_utils.process_allgather(learner, tiled=True)), "update": np.int64(update), "global_step": np.int64(global_step)}
+    arrays = {**flat(multihost_utils.process_allgather(learner, tiled=True)),
+              "update": np.int64(update), "global_step": np.int64(global_step)}
     if jax.process_index() != 0:
         return
     tmp = Path(path).with_suffix(".tmp.npz")
@@ -337,12 +338,10 @@ def save(path, learner, update, global_step):
 
 def place(learner, mesh):
     """Put a host Learner (NumPy leaves, all lanes) onto the mesh: params replicated, lanes split."""
-    def put(sharding):
-        return lambda a: jax.make_array_from_callback(a.shape, sharding, lambda index: a[index])
+    def put(sharding, part):
+        return jax.tree.map(lambda a: jax.make_array_from_callback(a.shape, sharding, lambda i: a[i]), part)
 
-    replicated, split = NamedSharding(mesh, P()), NamedSharding(mesh, P("devices"))
-    return Learner(jax.tree.map(put(replicated), learner.params), jax.tree.map(put(replicated), learner.opt_state),
-                   jax.tree.map(put(split), learner.lanes))
+    return Learner(*map(put, shardings(mesh), learner))
 
 
 def load(path, template):
