@@ -210,6 +210,16 @@ def test_sampling_follows_the_policy():
     np.testing.assert_allclose([actions.mean(), actions.std()], [1.5, 0.5], atol=0.005)
 
 
+def test_minibatch_shuffles_are_uniform_permutations():
+    n, num = 300, 20_000  # n not a power of two: the index takes 9 low bits of each key
+    perms = np.asarray(ppo.permutations(jax.random.PRNGKey(0), num, n))
+    assert (np.sort(perms, axis=1) == np.arange(n)).all()  # every row is a permutation
+    # Where index 0 and index n-1 land is uniform: each of 10 position bins gets ~1/10 of the rows.
+    for index in (0, n - 1):
+        position = np.argmax(perms == index, axis=1)
+        np.testing.assert_allclose(np.bincount(position * 10 // n, minlength=10) / num, 0.1, atol=0.01)
+
+
 # ---- End to end ------------------------------------------------------------------------------
 # Short CartPole budget used by the device, seed and host tests (50 updates of 512 steps).
 SHORT = ["--total-timesteps", 25_600, "--log-every", 25]
@@ -286,6 +296,7 @@ def test_two_hosts_end_with_identical_parameters(tmp_path):
     (["--total-timesteps", 100], "--total-timesteps 100"),
     (["--num-devices", 3], "--num-devices 3"),
     (["--gamma", 1.5], "--gamma 1.5"),
+    (["--num-envs-per-device", 200_000], "2**24"),
     (["--resume", "missing.npz"], "missing.npz"),
 ])
 def test_bad_input_is_one_clear_error_line(tmp_path, args, expected):
