@@ -311,6 +311,19 @@ def test_resuming_a_checkpoint_of_another_configuration_is_a_clear_error(tmp_pat
     assert "does not match this run" in line
 
 
+def test_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path):
+    # Update 1 is one Adam step, which moves every weight by ~1e30 (still finite); update 2's
+    # forward pass overflows.
+    args = ["--learning-rate", 1e30, "--num-epochs", 1, "--num-minibatches", 1, "--log-every", 1,
+            "--checkpoint-every", 1, "--total-timesteps", 10**7]
+    result = run(SCRIPT, args, tmp_path)
+    assert result.returncode == 1, result.output[-3000:]
+    assert "error: non-finite loss after update 2" in result.output
+    with np.load(result.run_dir / "checkpoint.npz", allow_pickle=False) as f:
+        assert int(f[".update"][0]) == 1
+        assert all(np.isfinite(f[k]).all() for k in f if k.startswith(".params"))
+
+
 def test_ctrl_c_finishes_the_call_writes_a_checkpoint_and_exits(tmp_path):
     args = ["--total-timesteps", 50_000_000, "--log-every", 5, "--run-dir", tmp_path / "runs"]
     proc = spawn(SCRIPT, args, tmp_path)
