@@ -425,7 +425,7 @@ def rollout(params, env_state, obs, k_act, k_reset, args, env):
     def act_and_step(carry, x):
         env_state, obs = carry
         noise, fresh = x
-        out = mlp(params["actor"], obs)  # acting needs only the actor
+        out = mlp(params["actor"], obs)  # acting needs only the actor, which also gives the old log-probs
         action = sample(params, out, noise)
         env_state, step = jax.vmap(lambda s, a, f: env_step(env, s, a, f))(env_state, action, fresh)
         return (env_state, step.obs), (obs, action, log_prob(params, out, action), step)
