@@ -40,6 +40,13 @@ def timed(fn, *args):
     return time.perf_counter() - start
 
 
+def best_of_three(*measures):
+    """Calls each `measure()` (it returns seconds) in turn, four rounds, and keeps each one's best
+    of the last three (the first round warms up): interleaved, so robust to a busy machine."""
+    rounds = [[measure() for measure in measures] for _ in range(4)]
+    return [min(column) for column in zip(*rounds[1:])]
+
+
 # ---------------------------------------------------------------------------------------
 # anakin_catch.py: training SPS against the rollout-only bound (same envs, forward pass,
 # no learning), compile time apart.
@@ -70,13 +77,10 @@ def catch_worker(envs, iters):
     train = catch.make_train(args, mesh).lower(learner, n).compile()
     compile_s = time.perf_counter() - start
     steps = iters * args.num_steps * envs * mesh.size
-    train_s, rollout_s = [], []
-    for seed in range(4):  # interleaved, best of three after a warm-up: robust to a busy machine
-        fresh = jax.block_until_ready(init(jax.random.PRNGKey(seed)))
-        train_s.append(timed(train, fresh, n))
-        rollout_s.append(timed(rollout_only, learner))
-    return {"train_sps": steps / min(train_s[1:]), "rollout_sps": steps / min(rollout_s[1:]),
-            "train_compile_s": compile_s}
+    train_s, rollout_s = best_of_three(
+        lambda: timed(train, jax.block_until_ready(init(jax.random.PRNGKey(0))), n),  # train donates its input
+        lambda: timed(rollout_only, learner))
+    return {"train_sps": steps / train_s, "rollout_sps": steps / rollout_s, "train_compile_s": compile_s}
 
 
 def bench_catch():
@@ -217,12 +221,9 @@ def ppo_worker(envs, seeds, updates):
                                          in_specs=(ppo.RUNNER_SPECS, P()), out_specs=ppo.RUNNER_SPECS,
                                          check_vma=False)).lower(init(), n).compile()
     steps = updates * args.num_steps * envs * mesh.size * seeds
-    train_s, rollout_s = [], []
-    for _ in range(4):  # interleaved, best of three after a warm-up: robust to a busy machine
-        train_s.append(timed(train, jax.block_until_ready(init()), n))
-        rollout_s.append(timed(rollout_only, jax.block_until_ready(init()), n))
-    return {"train_sps": steps / min(train_s[1:]), "rollout_sps": steps / min(rollout_s[1:]),
-            "train_compile_s": compile_s}
+    train_s, rollout_s = best_of_three(lambda: timed(train, jax.block_until_ready(init()), n),
+                                       lambda: timed(rollout_only, jax.block_until_ready(init()), n))
+    return {"train_sps": steps / train_s, "rollout_sps": steps / rollout_s, "train_compile_s": compile_s}
 
 
 def bench_ppo():
