@@ -45,7 +45,7 @@ import traceback
 import warnings
 from collections import defaultdict
 from pathlib import Path
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -98,6 +98,8 @@ class Args:
     """clip gradients to this global norm (IMPALA paper: 40)"""
     rmsprop_eps: float | None = None
     """RMSProp epsilon, inside the square root (default: 0.01, the IMPALA paper's, for images; 1e-5 for vectors)"""
+    network: Literal["deep", "shallow"] = "deep"
+    """image network, IMPALA paper figure 3: the deep ResNet or the shallow CNN (vectors always get an MLP)"""
     machado: bool = False
     """Atari only: Machado et al. (2018): sticky actions 0.25, full action set, no life loss, no no-op starts"""
     log_every: int | None = None
@@ -121,8 +123,8 @@ class Args:
 # Defaults that depend on the observations. Images: the IMPALA paper's Atari settings
 # (Espeholt et al. 2018, appendix G: batch 32 trajectories = 2 threads x 16 envs, unroll 20,
 # lr 6e-4, RMSProp eps 0.01). Vectors: CartPole's values grow to ~100 and RMSProp moves each
-# weight by about one step size per update, so the value head needs a large step size, many
-# small updates and an epsilon below the MLP's tiny gradients (measured: 500 well inside 300k).
+# weight by about one step size per update, so the value head needs a large step size and
+# many small updates.
 DEFAULTS = {
     "image": dict(total_timesteps=10_000_000, learning_rate=6e-4, num_steps=20, rmsprop_eps=0.01, log_every=10),
     "vector": dict(total_timesteps=300_000, learning_rate=5e-3, num_steps=16, rmsprop_eps=1e-5, log_every=40),
@@ -150,7 +152,8 @@ def atari_kwargs(machado):
     # IMPALA paper: life loss ends a training episode, rewards clipped to [-1, 1], 30 no-op
     # starts (frame skip 4, 4-frame stack, 84x84 grey are envpool's defaults).
     if machado:  # Machado et al. 2018: stochasticity from sticky actions instead of no-ops
-        return dict(episodic_life=False, reward_clip=True, noop_max=0,
+        # noop_max=1 means no no-op starts: envpool 1.2.5 crashes at reset with noop_max=0.
+        return dict(episodic_life=False, reward_clip=True, noop_max=1,
                     repeat_action_probability=0.25, full_action_space=True)
     return dict(episodic_life=True, reward_clip=True, noop_max=30)
 
@@ -244,29 +247,37 @@ def track_episodes(state, step):
 
 
 # ---------------------------------------------------------------------------------------
-# Network: the IMPALA paper's deep ResNet (figure 3, without the LSTM) for images, an MLP
-# for vectors, chosen from the observation shape.
+# Network: the IMPALA paper's networks (figure 3, without the LSTM) for images, the deep
+# ResNet by default or the shallow CNN; an MLP for vectors. Chosen from the observation
+# shape and --network.
 
-IMPALA_CHANNELS = (16, 32, 32)
+IMPALA_CHANNELS = (16, 32, 32)  # deep: channels of the three conv + max-pool + 2 residual block stacks
+SHALLOW_CONVS = ((16, 8, 4), (32, 4, 2))  # shallow: (channels, kernel, stride) of its two convs
 
 
 def dense_init(key, n_in, n_out, scale):
     return {"w": jax.nn.initializers.orthogonal(scale)(key, (n_in, n_out)), "b": jnp.zeros(n_out)}
 
 
-def conv_init(key, c_in, c_out):
-    return {"w": jax.nn.initializers.he_normal()(key, (3, 3, c_in, c_out)), "b": jnp.zeros(c_out)}
+def conv_init(key, c_in, c_out, size=3):
+    return {"w": jax.nn.initializers.he_normal()(key, (size, size, c_in, c_out)), "b": jnp.zeros(c_out)}
 
 
-def init_params(key, obs_shape, num_actions):
+def init_params(key, obs_shape, num_actions, network="deep"):
     keys = iter(jax.random.split(key, 32))
     params = {}
-    if len(obs_shape) == 3:
+    if len(obs_shape) == 3 and network == "deep":
         c_in, (h, w) = obs_shape[0], obs_shape[1:]
         for i, c in enumerate(IMPALA_CHANNELS):  # conv, max-pool, two residual blocks
             params[f"stack{i}"] = {"conv": conv_init(next(keys), c_in, c),
                                    **{f"res{j}": conv_init(next(keys), c, c) for j in range(4)}}
             c_in, h, w = c, -(-h // 2), -(-w // 2)
+        params["torso"], hidden = dense_init(next(keys), h * w * c_in, 256, np.sqrt(2)), 256
+    elif len(obs_shape) == 3:
+        c_in, (h, w) = obs_shape[0], obs_shape[1:]
+        for i, (c, size, stride) in enumerate(SHALLOW_CONVS):  # "valid" padding
+            params[f"conv{i}"] = conv_init(next(keys), c_in, c, size)
+            c_in, h, w = c, (h - size) // stride + 1, (w - size) // stride + 1
         params["torso"], hidden = dense_init(next(keys), h * w * c_in, 256, np.sqrt(2)), 256
     else:
         for head in ("policy", "value"):  # two MLPs: a shared torso lets value errors swamp the policy
@@ -282,13 +293,18 @@ def dense(p, x):
     return x @ p["w"] + p["b"]
 
 
-def conv(p, x):  # x [N, H, W, C]; 3x3, stride 1, same padding
-    return jax.lax.conv_general_dilated(x, p["w"], (1, 1), "SAME",
+def conv(p, x, stride=1, padding="SAME"):  # x [N, H, W, C]
+    return jax.lax.conv_general_dilated(x, p["w"], (stride, stride), padding,
                                         dimension_numbers=("NHWC", "HWIO", "NHWC")) + p["b"]
 
 
-def resnet_torso(params, obs):  # obs [N, C, H, W] uint8 -> [N, 256]
-    x = jnp.transpose(obs, (0, 2, 3, 1)).astype(jnp.float32) / 255.0
+def image_input(obs):  # [N, C, H, W] -> [N, H, W, C] float: uint8 frames scaled to [0, 1], others as they are
+    x = jnp.transpose(obs, (0, 2, 3, 1)).astype(jnp.float32)
+    return x / 255.0 if obs.dtype == jnp.uint8 else x
+
+
+def resnet_torso(params, obs):  # obs [N, C, H, W] -> [N, 256]
+    x = image_input(obs)
     for i in range(len(IMPALA_CHANNELS)):
         p = params[f"stack{i}"]
         x = conv(p["conv"], x)  # then a 3x3 max-pool with stride 2:
@@ -299,17 +315,24 @@ def resnet_torso(params, obs):  # obs [N, C, H, W] uint8 -> [N, 256]
     return jax.nn.relu(dense(params["torso"], x))
 
 
+def shallow_torso(params, obs):  # obs [N, C, H, W] -> [N, 256]
+    x = image_input(obs)
+    for i, (_, _, stride) in enumerate(SHALLOW_CONVS):
+        x = jax.nn.relu(conv(params[f"conv{i}"], x, stride, "VALID"))
+    return jax.nn.relu(dense(params["torso"], x.reshape(x.shape[0], -1)))
+
+
 def mlp_torso(params, obs, head):  # obs [N, D] -> [N, 64]
     return jnp.tanh(dense(params[f"{head}_hidden1"], jnp.tanh(dense(params[f"{head}_hidden0"], obs))))
 
 
 def apply(params, obs):
     """obs [..., *obs_shape] -> (policy logits [..., A], value [...])."""
-    image = "stack0" in params
+    image = "torso" in params
     batch_shape = obs.shape[: obs.ndim - (3 if image else 1)]
     x = obs.reshape(-1, *obs.shape[len(batch_shape):])
     if image:
-        policy_h = value_h = resnet_torso(params, x)
+        policy_h = value_h = (resnet_torso if "stack0" in params else shallow_torso)(params, x)
     else:
         policy_h, value_h = mlp_torso(params, x, "policy"), mlp_torso(params, x, "value")
     logits, value = dense(params["policy"], policy_h), dense(params["value"], value_h)[:, 0]
@@ -367,18 +390,19 @@ class LossInfo(NamedTuple):
     entropy: jax.Array
 
 
-def impala_loss(params, batch, num_valid, gamma, lambda_, vf_coef, ent_coef):
-    """Sums over this batch's valid steps divided by `num_valid`, the valid steps of the whole
-    global batch, so that summing across devices gives the mean."""
+def impala_loss(params, batch, gamma, lambda_, vf_coef, ent_coef):
+    """Summed over this batch's valid steps, not averaged: the IMPALA paper's loss is a sum over
+    time and batch, and under RMSProp with epsilon 0.01 its scale matters (a mean's gradients
+    are T x B times smaller, so epsilon swamps them). The learner adds the devices' sums."""
     logits, values = apply(params, batch.obs)  # [T+1, B, A], [T+1, B]
     logp = jax.nn.log_softmax(logits[:-1])
     logp_taken = jnp.take_along_axis(logp, batch.actions[..., None], -1)[..., 0]
     mu_taken = jnp.take_along_axis(jax.nn.log_softmax(batch.logits), batch.actions[..., None], -1)[..., 0]
     rhos = jnp.exp(logp_taken - mu_taken)  # pi / mu, importance weights of the lag
     targets = vtrace(values, batch.rewards, gamma * (1.0 - batch.terminated), rhos, batch.valid, lambda_)
-    policy_loss = -jnp.sum(batch.valid * logp_taken * targets.pg_advantages) / num_valid
-    value_loss = 0.5 * jnp.sum(batch.valid * (targets.vs - values[:-1]) ** 2) / num_valid
-    entropy = -jnp.sum(batch.valid * jnp.sum(jnp.exp(logp) * logp, -1)) / num_valid
+    policy_loss = -jnp.sum(batch.valid * logp_taken * targets.pg_advantages)
+    value_loss = 0.5 * jnp.sum(batch.valid * (targets.vs - values[:-1]) ** 2)
+    entropy = -jnp.sum(batch.valid * jnp.sum(jnp.exp(logp) * logp, -1))
     loss = policy_loss + vf_coef * value_loss - ent_coef * entropy
     return loss, LossInfo(loss, policy_loss, value_loss, entropy)
 
@@ -409,14 +433,15 @@ def sample_action(params, obs, key):  # jitted by each actor thread: sampling st
 def make_learner(args, mesh, optimizer):
     """One update per call over every learner device of every host. Runs with
     check_vma=False, so the gradient computed inside the body is this device's own; the
-    explicit psum then adds the devices' shares of the global mean."""
+    explicit psum then adds the devices' sums into the global batch's, the same on any
+    number of devices. Losses are logged per valid step."""
     hyper = dict(gamma=args.gamma, lambda_=args.vtrace_lambda, vf_coef=args.vf_coef, ent_coef=args.ent_coef)
 
     def update(state, batch):  # batch: this device's B/L envs of every actor thread
-        num_valid = jnp.maximum(jax.lax.psum(batch.valid.sum(), "devices"), 1.0)
-        grads, info = jax.grad(impala_loss, has_aux=True)(state.params, batch, num_valid, **hyper)
-        grads, info = jax.lax.psum((grads, info), "devices")
+        grads, info = jax.grad(impala_loss, has_aux=True)(state.params, batch, **hyper)
+        grads, info, num_valid = jax.lax.psum((grads, info, batch.valid.sum()), "devices")
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        info = jax.tree.map(lambda x: x / jnp.maximum(num_valid, 1.0), info)
         return TrainState(optax.apply_updates(state.params, updates), opt_state), info
 
     env_axis = Rollout(*[P(None, "devices")] * len(Rollout._fields))
@@ -616,6 +641,8 @@ def resolve_args(args):
             fail(f"--{flag.replace('_', '-')}", getattr(args, flag), "a positive integer")
     if args.checkpoint_every < 0:
         fail("--checkpoint-every", args.checkpoint_every, "0 (only at the end) or a positive integer")
+    if args.network == "shallow" and (len(env.obs_shape) != 3 or min(env.obs_shape[1:]) < 20):
+        fail("--network", args.network, f"images of at least 20x20 only, not observations of shape {env.obs_shape}")
     if args.resume is not None and not Path(args.resume).is_file():
         fail("--resume", args.resume, "the path of an existing checkpoint.npz")
     return args, env
@@ -692,7 +719,7 @@ def main(args: Args) -> dict:
     key = jax.random.key(args.seed)
 
     def build():
-        params = init_params(key, env.obs_shape, env.num_actions)
+        params = init_params(key, env.obs_shape, env.num_actions, args.network)
         return TrainState(params, optimizer.init(params))
 
     start_update = 0
@@ -711,7 +738,7 @@ def main(args: Args) -> dict:
     learn = make_learner(args, layout.mesh, optimizer)
     batch_sharding = NamedSharding(layout.mesh, P(None, "devices"))
 
-    run_dir = Path(args.run_dir) / f"{args.env_id.replace(':', '_')}__{args.exp_name}__{args.seed}__{int(time.time())}"
+    run_dir = Path(args.run_dir) / f"{args.env_id.replace(':', '_').replace('/', '_')}__{args.exp_name}__{args.seed}__{int(time.time())}"
     writer = None
     if pid == 0:
         run_dir.mkdir(parents=True, exist_ok=True)

@@ -1,6 +1,7 @@
 """Tests of sebulba_impala.py: V-trace and the loss against NumPy references of the IMPALA
-paper, episode bookkeeping against envpool's own counters, learning on CartPole, a custom
-gymnasium env, Atari device layouts, two hosts, faults, Ctrl-C and resume, bad input."""
+paper, the networks' inputs and shapes, episode bookkeeping against envpool's own counters,
+learning on CartPole and on MinAtar's images, a custom gymnasium env, Atari device layouts
+and --machado, two hosts, faults, Ctrl-C and resume, bad input."""
 
 import signal
 import time
@@ -8,9 +9,10 @@ import time
 import numpy as np
 import pytest
 
-from conftest import checksum, error_line, load, run, run_two_hosts, spawn
+from conftest import ROOT, checksum, error_line, load, run, run_two_hosts, spawn
 
 SCRIPT = "sebulba_impala.py"
+MINATAR = "tests.minatar_envs:MinAtar/Breakout-v1"  # tests/minatar_envs.py registers MinAtar's ids
 
 # Environments registered by the tests, imported by the script through `test_envs:Name-v0`.
 # Every episode of Fixed lasts 7 steps and scores 7; Crash raises inside an actor thread
@@ -135,7 +137,7 @@ def test_vtrace_on_policy_with_lambda_one_is_the_discounted_return(impala):
     np.testing.assert_allclose(got.vs[:, 0], expected, rtol=1e-6)
 
 
-def test_impala_loss_pieces_match_numpy(impala):
+def test_impala_loss_pieces_are_sums_over_valid_steps_matching_numpy(impala):
     import jax
 
     rng = np.random.default_rng(1)
@@ -146,8 +148,8 @@ def test_impala_loss_pieces_match_numpy(impala):
         obs=rng.normal(size=(T + 1, B, 5)).astype(np.float32), actions=rng.integers(0, A, (T, B)).astype(np.int32),
         logits=rng.normal(size=(T, B, A)).astype(np.float32), rewards=rng.normal(size=(T, B)).astype(np.float32),
         terminated=terminated.astype(np.float32), valid=valid.astype(np.float32))
-    loss = jax.jit(impala.impala_loss, static_argnums=(3, 4, 5, 6))
-    _, info = loss(params, batch, valid.sum(), gamma, lam, vf_coef, ent_coef)
+    loss = jax.jit(impala.impala_loss, static_argnums=(2, 3, 4, 5))
+    _, info = loss(params, batch, gamma, lam, vf_coef, ent_coef)
 
     logits, values = (np.asarray(x, np.float64) for x in impala.apply(params, batch.obs))
     logp = logits[:-1] - np.log(np.exp(logits[:-1]).sum(-1, keepdims=True))
@@ -155,10 +157,9 @@ def test_impala_loss_pieces_match_numpy(impala):
     taken = lambda x: np.take_along_axis(x, batch.actions[..., None], -1)[..., 0]  # noqa: E731
     rhos = np.exp(taken(logp) - taken(mu))
     vs, advantages = vtrace_reference(values, batch.rewards, gamma * (1 - terminated), rhos, valid, lam)
-    n = valid.sum()
-    policy_loss = -(valid * taken(logp) * advantages).sum() / n
-    value_loss = 0.5 * (valid * (vs - values[:-1]) ** 2).sum() / n
-    entropy = -(valid * (np.exp(logp) * logp).sum(-1)).sum() / n
+    policy_loss = -(valid * taken(logp) * advantages).sum()
+    value_loss = 0.5 * (valid * (vs - values[:-1]) ** 2).sum()
+    entropy = -(valid * (np.exp(logp) * logp).sum(-1)).sum()
     np.testing.assert_allclose(
         [info.policy_loss, info.value_loss, info.entropy, info.loss],
         [policy_loss, value_loss, entropy, policy_loss + vf_coef * value_loss - ent_coef * entropy], rtol=1e-4)
@@ -173,6 +174,68 @@ def test_image_observations_get_the_impala_resnet(impala):
     assert params["torso"]["w"].shape == (11 * 11 * 32, 256)  # 84 -> 42 -> 21 -> 11 after three pools
     logits, value = jax.eval_shape(impala.apply, params, jax.ShapeDtypeStruct((3, 2, 4, 84, 84), np.uint8))
     assert logits.shape == (3, 2, 6) and value.shape == (3, 2)
+
+
+def test_shallow_network_is_the_papers_two_conv_cnn(impala):
+    import jax
+
+    params = jax.eval_shape(lambda key: impala.init_params(key, (4, 84, 84), 6, "shallow"), jax.random.key(0))
+    assert params["conv0"]["w"].shape == (8, 8, 4, 16) and params["conv1"]["w"].shape == (4, 4, 16, 32)
+    assert params["torso"]["w"].shape == (9 * 9 * 32, 256)  # 84 -> 20 -> 9, no padding
+    assert not any(name.startswith("stack") for name in params)
+    logits, value = jax.eval_shape(impala.apply, params, jax.ShapeDtypeStruct((3, 2, 4, 84, 84), np.uint8))
+    assert logits.shape == (3, 2, 6) and value.shape == (3, 2)
+
+
+def test_uint8_frames_are_scaled_and_other_images_enter_as_they_are(impala):
+    frames = np.full((1, 2, 3, 3), 255, np.uint8)  # [N, C, H, W]
+    np.testing.assert_array_equal(impala.image_input(frames), np.ones((1, 3, 3, 2)))
+    flags = np.ones((1, 2, 3, 3), bool)  # MinAtar's observations are bool
+    np.testing.assert_array_equal(impala.image_input(flags), np.ones((1, 3, 3, 2)))
+    floats = np.full((1, 2, 3, 3), 0.5, np.float32)
+    np.testing.assert_array_equal(impala.image_input(floats), np.full((1, 3, 3, 2), 0.5))
+
+
+# The same update on 1 learner device and on 2: the loss is a sum over the global batch.
+SAME_UPDATE = f'''
+import sys
+import numpy as np
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+sys.path.insert(0, {str(ROOT / "tests")!r})
+from conftest import load
+
+impala = load("sebulba_impala.py")
+args = impala.Args(learning_rate=1e-3, rmsprop_eps=0.01)
+rng = np.random.default_rng(0)
+T, B, A = 5, 4, 3
+valid = np.ones((T, B), np.float32)
+valid[2, 1] = valid[3, 3] = 0.0
+batch = impala.Rollout(rng.normal(size=(T + 1, B, 6)).astype(np.float32), rng.integers(0, A, (T, B)).astype(np.int32),
+                       rng.normal(size=(T, B, A)).astype(np.float32), rng.normal(size=(T, B)).astype(np.float32),
+                       (rng.random((T, B)) < 0.2).astype(np.float32), valid)
+optimizer = impala.make_optimizer(args, 10)
+params = impala.init_params(jax.random.key(0), (6,), A)
+state = impala.TrainState(params, optimizer.init(params))
+outs = []
+for n in (1, 2):
+    mesh = Mesh(np.array(jax.devices()[:n]), ("devices",))
+    placed = jax.device_put(batch, NamedSharding(mesh, P(None, "devices")))
+    new, info = impala.make_learner(args, mesh, optimizer)(jax.device_put(state, NamedSharding(mesh, P())), placed)
+    outs.append((jax.tree.leaves(jax.device_get(new.params)), np.asarray(jax.device_get(info))))
+moved = max(float(np.abs(a - b).max()) for a, b in zip(outs[0][0], jax.tree.leaves(params)))
+gap = max(float(np.abs(a - b).max()) for a, b in zip(outs[0][0], outs[1][0]))
+print("moved", moved, "gap", gap, "info_gap", float(np.abs(outs[0][1] - outs[1][1]).max()))
+'''
+
+
+def test_an_update_is_the_same_on_one_or_two_learner_devices(tmp_path):
+    (tmp_path / "same_update.py").write_text(SAME_UPDATE)
+    result = run(tmp_path / "same_update.py", [], tmp_path, devices=2, run_dir=False, timeout=300)
+    assert result.returncode == 0, result.output[-3000:]
+    values = result.output.split()
+    moved, gap, info_gap = (float(values[values.index(name) + 1]) for name in ("moved", "gap", "info_gap"))
+    assert moved > 1e-4 and gap < 1e-6 * max(moved, 1.0) + 1e-7 and info_gap < 1e-5
 
 
 # --- Episodes: the true game score, against envpool's own counters ------------------------
@@ -212,6 +275,18 @@ def test_machado_switch_gives_sticky_actions_and_the_full_action_set(impala):
     assert kwargs["repeat_action_probability"] == 0.25 and not kwargs["episodic_life"]
 
 
+def test_machado_atari_run_resets_steps_and_learns_with_the_shallow_network(tmp_path):
+    # A separate process: envpool crashes the whole interpreter on a bad --machado config.
+    flags = [*ATARI, "--machado", "--network", "shallow", "--num-actor-threads", 1, "--total-timesteps", 2 * 2 * 8]
+    result = run(SCRIPT, flags, tmp_path)
+    assert result.returncode == 0, result.output[-3000:]
+    assert [row["global_step"] for row in result.metrics] == [16, 32]
+    finite_losses(result)
+    with np.load(result.run_dir / "checkpoint.npz", allow_pickle=False) as data:
+        assert data["state/params/conv0/w"].shape == (8, 8, 4, 16)
+        assert data["state/params/policy/w"].shape == (256, 18)  # the full action set
+
+
 # --- End to end ---------------------------------------------------------------------------
 
 
@@ -238,6 +313,35 @@ def test_custom_gymnasium_env_runs_end_to_end_with_exact_episode_scores(tmp_path
     finite_losses(result)
     assert result.run_dir.name.startswith("test_envs_Fixed-v0__fixed__5__")
     assert (result.run_dir / "checkpoint.npz").exists()
+
+
+
+
+def random_minatar_breakout_score(episodes, seed):
+    import gymnasium as gym
+
+    import tests.minatar_envs  # noqa: F401  (registers the ids)
+
+    env, rng, scores = gym.make("MinAtar/Breakout-v1"), np.random.default_rng(seed), []
+    env.reset(seed=seed)
+    while len(scores) < episodes:
+        score, over = 0.0, False
+        while not over:
+            _, reward, terminated, truncated, _ = env.step(rng.integers(env.action_space.n))
+            score, over = score + reward, terminated or truncated
+        scores.append(score)
+        env.reset()
+    return float(np.mean(scores))
+
+
+def test_minatar_breakout_from_bool_images_beats_random_play(tmp_path):
+    random_play = random_minatar_breakout_score(episodes=200, seed=0)
+    result = run(SCRIPT, ["--env-id", MINATAR, "--total-timesteps", 160_000, "--seed", 3], tmp_path, timeout=900)
+    assert result.returncode == 0, result.output[-3000:]
+    trained = np.mean([row["charts/episodic_return"] for row in result.metrics[-3:]])
+    assert trained > random_play + 1.5, (trained, random_play)
+    assert result.run_dir.parent == tmp_path / "runs"  # the namespaced id gives a flat folder name
+    assert result.run_dir.name.startswith("tests.minatar_envs_MinAtar_Breakout-v1__sebulba_impala__3__")
 
 
 ATARI = ["--env-id", "Breakout-v5", "--local-num-envs", 2, "--num-steps", 8, "--log-every", 1]
@@ -326,13 +430,16 @@ def mismatched_checkpoint(tmp_path):
     (1, ["--env-id", "Breakout-v55"], "--env-id"),
     (1, ["--env-id", "Pendulum-v1"], "--env-id"),
     (1, ["--env-id", "CartPole-v1", "--machado"], "--machado"),
+    (1, ["--env-id", "CartPole-v1", "--network", "shallow"], "--network"),
+    (1, ["--env-id", MINATAR, "--network", "shallow"], "--network"),
     (2, ["--env-id", "CartPole-v1", "--actor-device-ids", 2], "--actor-device-ids"),
     (2, ["--env-id", "CartPole-v1", "--actor-device-ids", 0, "--learner-device-ids", 0, 1], "--learner-device-ids"),
     (3, ["--env-id", "CartPole-v1", "--learner-device-ids", 1, 2, "--local-num-envs", 3], "--local-num-envs"),
     (1, ["--env-id", "CartPole-v1", "--total-timesteps", 100], "--total-timesteps"),
     (1, ["--env-id", "CartPole-v1", "--resume", "missing.npz"], "--resume"),
     (1, ["--env-id", "CartPole-v1", "--resume", mismatched_checkpoint], "--resume"),
-], ids=["unknown-env", "continuous-actions", "machado-not-atari", "device-out-of-range", "device-reused",
+], ids=["unknown-env", "continuous-actions", "machado-not-atari", "shallow-vectors", "shallow-10x10",
+        "device-out-of-range", "device-reused",
         "envs-not-divisible", "budget-below-one-update", "missing-checkpoint", "mismatched-checkpoint"])
 def test_bad_input_is_one_error_line_naming_the_flag(tmp_path, devices, flags, flag):
     flags = [f(tmp_path) if callable(f) else f for f in flags]
