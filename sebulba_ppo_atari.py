@@ -14,8 +14,10 @@ devices of every host, runs all PPO epochs and minibatches and sends new paramet
                                         (device_put, bounded queue)  GAE, then epochs x minibatches
                                                                      of PPO, grads psum'd over all
                                    <------------------------------  new params (one update later)
-    Actors act with parameters at most one update old (--no-policy-lag: the newest); PPO's ratio
-    uses the log-probs stored at acting time, so the lag never biases the update.
+    Actors act with parameters at most one update old (--no-policy-lag: the newest). The loss is
+    decoupled PPO (Hilton et al. 2021): the clip window is centred on the learner's parameters at the
+    start of the update, and the acting-time log-probs only reweight the samples, so samples the lag
+    has already pushed outside a window centred on the actor's policy still teach something.
 
 Examples:
     python sebulba_ppo_atari.py --env-id Breakout-v5
@@ -118,7 +120,9 @@ def atari_kwargs(machado):
     sign, 30 no-op starts (frame skip 4, 4-frame stack, 84x84 grey are envpool's defaults).
     Returns stay the unclipped whole-game score either way (info["reward"], all lives)."""
     if machado:  # Machado et al. 2018: stochasticity from sticky actions instead of no-ops
-        return dict(episodic_life=False, reward_clip=True, noop_max=0,
+        # noop_max=1 means no no-op starts (Cleanba does the same): envpool 1.2.5 segfaults at the
+        # first reset with noop_max=0.
+        return dict(episodic_life=False, reward_clip=True, noop_max=1,
                     repeat_action_probability=0.25, full_action_space=True)
     return dict(episodic_life=True, reward_clip=True, noop_max=30)
 
@@ -144,9 +148,15 @@ def init_params(key, num_actions):
     return params
 
 
+def to_float(obs):
+    """uint8 pixels scaled to [0, 1]; bool or float observations enter as they are."""
+    x = obs.astype(jnp.float32)
+    return x / 255.0 if obs.dtype == jnp.uint8 else x
+
+
 def apply(params, obs):
-    """Logits [B, A] and values [B] of uint8 frame stacks [B, 4, 84, 84]."""
-    x = jnp.transpose(obs, (0, 2, 3, 1)).astype(jnp.float32) / 255.0  # NHWC
+    """Logits [B, A] and values [B] of frame stacks [B, 4, 84, 84]."""
+    x = to_float(jnp.transpose(obs, (0, 2, 3, 1)))  # NHWC
     for i, (_, stride, _) in enumerate(CONVS):
         layer = params[f"conv{i}"]
         x = jax.lax.conv_general_dilated(x, layer["w"], (stride, stride), "VALID",
@@ -161,7 +171,7 @@ def log_prob(logits, actions):
     return jnp.take_along_axis(jax.nn.log_softmax(logits), actions[:, None], -1)[:, 0]
 
 
-# ---- The loss: GAE (Schulman et al. 2016) and PPO's clipped objective (2017) --------------
+# ---- The loss: GAE (Schulman et al. 2016) and PPO's clipped objective (2017), decoupled ---
 
 def gae(rewards, values, terminated, dones, gamma, lam):
     """Advantages [T, E] from rewards, terminated, dones [T, E] and values [T + 1, E].
@@ -195,6 +205,21 @@ def clipped_surrogate(ratio, advantages, clip):
     return jnp.maximum(-advantages * ratio, -advantages * jnp.clip(ratio, 1 - clip, 1 + clip))
 
 
+def decoupled_surrogate(logp, prox_logp, behaviour_logp, advantages, clip):
+    """Per-sample decoupled PPO policy loss (Hilton et al. 2021, arXiv 2110.00641): the ratio is
+    clipped around the proximal policy pi_prox (the learner's parameters at the start of the
+    update), and pi_prox / mu reweights each sample drawn by the behaviour policy mu (the actor's
+    parameters, up to one update older). With pi_prox == mu this is PPO's clipped surrogate.
+
+    The weight is left unclipped, as in the paper: clipping it would bias the update toward mu, and
+    with at most one update of lag pi_prox and mu are one PPO update apart, so it is near 1 for most
+    samples (losses/clipfrac_first counts those that are not); the global-norm gradient clip bounds
+    an outlier."""
+    weight = jax.lax.stop_gradient(jnp.exp(prox_logp - behaviour_logp))
+    ratio = jnp.exp(logp - jax.lax.stop_gradient(prox_logp))
+    return weight * clipped_surrogate(ratio, advantages, clip)
+
+
 def clipped_value_loss(values, old_values, returns, clip):
     """Per-sample value loss, with the value update clipped around the acting-time value."""
     clipped = old_values + jnp.clip(values - old_values, -clip, clip)
@@ -210,35 +235,42 @@ class Samples(NamedTuple):
     """Flattened [N] learning samples on one learner."""
     obs: jax.Array  # [N, 4, 84, 84] uint8
     actions: jax.Array
-    logprobs: jax.Array  # behaviour log-probs, stored at acting time
+    logprobs: jax.Array  # behaviour log-probs, log mu, stored at acting time
     values: jax.Array  # acting-time values
     advantages: jax.Array
     returns: jax.Array
     mask: jax.Array  # 0 on envpool's autoreset steps, whose action did nothing
+    prox_logprobs: jax.Array | None = None  # log pi_prox, filled in by learner_update
 
 
 class Metrics(NamedTuple):
     policy_loss: jax.Array
     value_loss: jax.Array
     entropy: jax.Array
-    approx_kl: jax.Array
-    clipfrac: jax.Array
+    approx_kl: jax.Array  # of pi from pi_prox: how far this update has moved
+    clipfrac: jax.Array  # pi / pi_prox outside the clip window
+    # pi / mu outside the window in an update's first minibatch, where pi == pi_prox: the samples
+    # lag alone put there, which plain PPO (window around mu) would learn nothing from.
+    clipfrac_first: jax.Array
 
 
 def ppo_loss(params, mb, args, axis_name):
     """This learner's share of the global minibatch's mean PPO loss (psum over learners = mean)."""
     logits, values = apply(params, mb.obs)
-    log_ratio = log_prob(logits, mb.actions) - mb.logprobs
+    logp = log_prob(logits, mb.actions)
+    log_ratio = logp - mb.prox_logprobs
     ratio = jnp.exp(log_ratio)
+    outside = lambda r: jax.lax.stop_gradient(jnp.abs(r - 1) > args.clip_coef)
     advantages = normalize(mb.advantages, mb.mask, axis_name)
     n = jax.lax.psum(mb.mask.sum(), axis_name)
     share = lambda x: (x * mb.mask).sum() / n
     metrics = Metrics(
-        share(clipped_surrogate(ratio, advantages, args.clip_coef)),
+        share(decoupled_surrogate(logp, mb.prox_logprobs, mb.logprobs, advantages, args.clip_coef)),
         share(clipped_value_loss(values, mb.values, mb.returns, args.clip_coef)),
         share(entropy(logits)),
         share(jax.lax.stop_gradient((ratio - 1) - log_ratio)),  # the low-variance KL estimate
-        share(jax.lax.stop_gradient(jnp.abs(ratio - 1) > args.clip_coef)))
+        share(outside(ratio)),
+        share(outside(jnp.exp(logp - mb.logprobs))))
     loss = metrics.policy_loss - args.ent_coef * metrics.entropy + args.vf_coef * metrics.value_loss
     return loss, metrics
 
@@ -400,6 +432,14 @@ def init_state(key, args, num_actions, num_updates):
     return TrainState(params, make_optimizer(args, num_updates).init(params), k_learn)
 
 
+def prox_log_probs(params, samples, chunks):
+    """log pi_prox(a | s) of every sample: one forward pass with the parameters as they are before
+    the update's first step, in `chunks` pieces so it needs no more memory than a minibatch."""
+    split = lambda x: x.reshape(chunks, -1, *x.shape[1:])
+    logp = jax.lax.map(lambda c: log_prob(apply(params, c[0])[0], c[1]), (split(samples.obs), split(samples.actions)))
+    return logp.reshape(-1)
+
+
 def learner_update(state, rollout, args, optimizer):
     """One PPO update on this learner's share [T, E_l, ...] of the rollouts (inside shard_map)."""
     advantages = gae(rollout.rewards, rollout.values, rollout.terminated, rollout.dones, args.gamma, args.gae_lambda)
@@ -408,6 +448,7 @@ def learner_update(state, rollout, args, optimizer):
                            Samples(rollout.obs, rollout.actions, rollout.logprobs, old_values, advantages,
                                    advantages + old_values, rollout.valid))
     params, opt_state, key = state
+    samples = samples._replace(prox_logprobs=prox_log_probs(params, samples, args.num_minibatches))
     metrics = []
     # Epochs and minibatches are Python loops, unrolled inside the jit: on XLA:CPU a conv
     # gradient inside lax.scan runs ~20x slower (CONVENTIONS, jax issue 12868).
@@ -421,7 +462,8 @@ def learner_update(state, rollout, args, optimizer):
             updates, opt_state = optimizer.update(grads, opt_state, params)
             params = optax.apply_updates(params, updates)
             metrics.append(jax.lax.psum(m, "learners"))
-    return TrainState(params, opt_state, key), jax.tree.map(lambda *x: jnp.stack(x).mean(), *metrics)
+    mean = jax.tree.map(lambda *x: jnp.stack(x).mean(), *metrics)
+    return TrainState(params, opt_state, key), mean._replace(clipfrac_first=metrics[0].clipfrac_first)
 
 
 def make_update(args, mesh, num_updates):
@@ -555,6 +597,12 @@ def load(path, template):
     return state, int(arrays["update"])
 
 
+def run_folder(args):
+    """{run-dir}/{env}__{exp-name}__{seed}__{time}: one flat folder, also for namespaced env ids."""
+    env = args.env_id.replace(":", "_").replace("/", "_")
+    return Path(args.run_dir) / f"{env}__{args.exp_name}__{args.seed}__{int(time.time())}"
+
+
 def get(q, stop, interrupted):
     """The next item of an actor thread's queue; None on Ctrl-C; raises if an actor failed."""
     while not interrupted.is_set():
@@ -673,7 +721,7 @@ def main(args):
     state = jax.tree.map(lambda a: jax.make_array_from_callback(a.shape, replicated, lambda i: a[i]), host_state)
     writer, run_path = None, None
     if jax.process_index() == 0:
-        run_path = Path(args.run_dir) / f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
+        run_path = run_folder(args)
         run_path.mkdir(parents=True, exist_ok=True)
         (run_path / "args.json").write_text(json.dumps(asdict(args), indent=2))
         writer = SummaryWriter(str(run_path))

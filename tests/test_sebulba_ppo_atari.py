@@ -74,6 +74,37 @@ def test_clipped_surrogate_takes_the_pessimistic_term(ppo):
     np.testing.assert_allclose(ppo.clipped_surrogate(ratio, adv, 0.1), expected, rtol=1e-6)
 
 
+def test_decoupled_loss_is_ppo_when_the_proximal_policy_is_the_behaviour_policy(ppo):
+    import jax
+
+    rng = np.random.default_rng(4)
+    behaviour = np.log(rng.uniform(0.1, 0.9, 64)).astype(np.float32)
+    logp = behaviour + rng.uniform(-0.3, 0.3, 64).astype(np.float32)  # ratios on both sides of the window
+    adv = rng.normal(size=64).astype(np.float32)
+    decoupled = lambda lp: ppo.decoupled_surrogate(lp, behaviour, behaviour, adv, 0.1)
+    plain = lambda lp: ppo.clipped_surrogate(jax.numpy.exp(lp - behaviour), adv, 0.1)
+    np.testing.assert_allclose(decoupled(logp), plain(logp), rtol=1e-6)
+    grad = lambda f: np.asarray(jax.grad(lambda lp: f(lp).sum())(logp))
+    np.testing.assert_allclose(grad(decoupled), grad(plain), rtol=1e-6)
+    assert (grad(plain) == 0).any() and (grad(plain) != 0).any()
+
+
+def test_decoupled_loss_learns_from_samples_the_lag_put_outside_the_window(ppo):
+    import jax
+
+    # pi == pi_prox, but mu (one update older) makes pi / mu 0.5 / 0.3 and 0.3 / 0.5: outside the
+    # 0.1 window in the direction the advantage pushes, so plain PPO gives these samples no gradient.
+    logp = prox = np.log(np.array([0.5, 0.3], np.float32))
+    behaviour = np.log(np.array([0.3, 0.5], np.float32))
+    adv = np.array([1.0, -1.0], np.float32)
+    plain = jax.grad(lambda lp: ppo.clipped_surrogate(jax.numpy.exp(lp - behaviour), adv, 0.1).sum())(logp)
+    np.testing.assert_array_equal(plain, [0.0, 0.0])
+    grad_logp, grad_prox = jax.grad(lambda lp, px: ppo.decoupled_surrogate(lp, px, behaviour, adv, 0.1).sum(),
+                                    argnums=(0, 1))(logp, prox)
+    np.testing.assert_allclose(grad_logp, -np.exp(prox - behaviour) * adv, rtol=1e-6)  # weight pi_prox / mu
+    np.testing.assert_array_equal(grad_prox, [0.0, 0.0])  # pi_prox and the weight are constants
+
+
 def test_clipped_value_loss_and_entropy_on_hand_cases(ppo):
     v, old, ret = (np.array(x, np.float32) for x in ([2.0, 0.0, 1.05], [1.0, 0.0, 1.0], [3.0, 1.0, 1.0]))
     # case 0: clipped value 1.1 is further from 3 -> 0.5 * 1.9^2; case 2: unclipped 1.05 -> 0.5 * 0.05^2
@@ -93,6 +124,21 @@ def test_advantage_normalisation_spans_all_learners_and_skips_masked_samples(ppo
     got = np.asarray(jax.vmap(partial(ppo.normalize, axis_name="learners"), axis_name="learners")(adv, mask))
     valid = adv[mask == 1]
     np.testing.assert_allclose(got[mask == 1], (valid - valid.mean()) / valid.std(), rtol=1e-4, atol=1e-5)
+
+
+def test_uint8_frames_are_scaled_and_bool_or_float_inputs_enter_as_they_are(ppo):
+    import jax
+
+    params = ppo.init_params(jax.random.PRNGKey(0), 4)
+    frames = np.random.default_rng(3).integers(0, 256, (2, 4, 84, 84), dtype=np.uint8)
+    bits = frames > 127
+    same = lambda a, b: [np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-6)
+                         for x, y in zip(ppo.apply(params, a), ppo.apply(params, b))]
+    same(frames, frames.astype(np.float32) / 255)
+    same(bits, bits.astype(np.float32))
+    np.testing.assert_array_equal(ppo.to_float(bits), bits.astype(np.float32))
+    floats = frames.astype(np.float32)
+    np.testing.assert_array_equal(ppo.to_float(floats), floats)
 
 
 # ---- The learner update and acting --------------------------------------------------------
@@ -124,13 +170,16 @@ def test_repeated_updates_on_one_batch_favour_positive_advantage_actions_and_fit
         return lp[adv > 0].mean(), lp[adv < 0].mean(), np.mean((np.asarray(v) - returns) ** 2)
 
     before = measure(state.params)
-    for _ in range(5):
+    state, metrics = update(state, rollout)
+    assert float(metrics.clipfrac_first) == 0  # pi_prox == mu: the rollout's own parameters
+    for _ in range(4):  # the same rollout again: its log-probs go stale, as under policy lag
         state, metrics = update(state, rollout)
     after = measure(state.params)
     assert after[0] > before[0] + 0.05, (before, after)  # positive-advantage actions more likely
     assert after[1] < before[1] - 0.05, (before, after)  # negative-advantage actions less likely
     assert after[2] < 0.8 * before[2], (before, after)  # values closer to the returns
     assert float(metrics.approx_kl) > 0 and 0 <= float(metrics.clipfrac) <= 1
+    assert float(metrics.clipfrac_first) > 0  # samples whose pi / mu left the window
 
 
 def test_collect_returns_unclipped_whole_game_scores_and_marks_autoreset_steps(ppo):
@@ -161,6 +210,21 @@ def test_collect_returns_unclipped_whole_game_scores_and_marks_autoreset_steps(p
     assert len(lengths) == len(returns) and min(lengths) > 20
 
 
+def test_machado_envs_reset_and_step(ppo):
+    envs = ppo.make_envs(ppo.Args(machado=True), 2, seed=3)
+    obs, _ = envs.reset()
+    for _ in range(5):
+        obs, *_ = envs.step(np.random.default_rng(0).integers(0, 18, 2))
+    assert obs.shape == (2, 4, 84, 84) and envs.action_space.n == 18  # the full action set
+    assert envs.config["repeat_action_probability"] == 0.25 and not envs.config["episodic_life"]
+
+
+def test_run_folder_is_one_flat_folder_for_namespaced_env_ids(ppo, tmp_path):
+    path = ppo.run_folder(ppo.Args(env_id="ALE/Pong-v5", run_dir=str(tmp_path)))
+    assert path.parent == tmp_path and path.name.startswith("ALE_Pong-v5__sebulba_ppo_atari__1__")
+    assert ppo.run_folder(ppo.Args(env_id="ns:Pong-v5")).name.startswith("ns_Pong-v5__")
+
+
 # ---- Whole runs: device layouts, policy lag, two hosts --------------------------------------
 
 def check_run(result, updates, envs):
@@ -168,7 +232,7 @@ def check_run(result, updates, envs):
     assert result.last("global_step") == updates * 8 * envs
     assert len(result.metrics) == updates
     for key in ("losses/policy_loss", "losses/value_loss", "losses/entropy", "losses/approx_kl",
-                "losses/clipfrac", "charts/SPS", "charts/learning_rate", "stats/learner_time",
+                "losses/clipfrac", "losses/clipfrac_first", "charts/SPS", "charts/learning_rate", "stats/learner_time",
                 "stats/inference_time", "stats/env_step_time"):
         assert np.isfinite(result.last(key)), key
     assert (result.run_dir / "checkpoint.npz").exists() and (result.run_dir / "args.json").exists()
@@ -187,6 +251,7 @@ def test_two_devices_actor_and_learner_without_lag_is_on_policy_and_reproducible
     flags = [*TINY, "--total-timesteps", 64, "--actor-device-ids", 0, "--learner-device-ids", 1, "--no-policy-lag"]
     first = run(SCRIPT, flags, tmp_path / "a", devices=2)
     assert check_run(first, updates=2, envs=4) == [0, 0]
+    assert [m["losses/clipfrac_first"] for m in first.metrics] == [0, 0]  # pi_prox == mu
     second = run(SCRIPT, flags, tmp_path / "b", devices=2)
     assert checksum(first.output) == checksum(second.output)  # exact on-policy runs are deterministic
 
