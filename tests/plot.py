@@ -1,0 +1,208 @@
+"""Learning curves from run folders: one curve per configuration, the mean of its seeds
+with a min-max band.
+
+usage: python tests/plot.py RUN_FOLDER... -o FILE.png [--x steps|time] [--y SCALAR]
+                            [--ref LABEL=VALUE ...] [--title T]
+
+Runs are grouped by env id and experiment name (from `args.json`, else from the folder
+name `{env_id}__{exp_name}__{seed}__{time}`); each run is one seed, except an
+`anakin_ppo.py --num-seeds N` run, whose per-seed columns `{SCALAR}_seed{i}` are N seeds.
+Each seed is interpolated onto the x values of all seeds, over the range they all cover.
+
+    python tests/plot.py runs/* -o curves.png --ref "random play=0.46"
+    python tests/plot.py runs/Breakout* -o sps.png --x time --y charts/SPS
+"""
+
+import argparse
+import itertools
+import json
+import math
+import re
+import sys
+import textwrap
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+
+X_LABELS = {"steps": "environment steps", "time": "training wall-clock seconds"}
+
+
+class Run(NamedTuple):
+    folder: Path
+    env_id: str
+    exp_name: str
+    num_seeds: int  # anakin_ppo's --num-seeds (1 elsewhere): its charts/SPS counts every seed's steps
+    rows: list  # metrics.jsonl, one dict a line
+
+
+class Curve(NamedTuple):
+    label: str
+    x: np.ndarray  # the grid: every seed's x values inside the range all seeds cover
+    mean: np.ndarray
+    low: np.ndarray  # min over seeds
+    high: np.ndarray  # max over seeds
+
+
+def fail(message):
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def read_json(path, text):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        fail(f"{path} is not valid JSON ({e})")
+
+
+def read_run(folder):
+    folder = Path(folder)
+    metrics = folder / "metrics.jsonl"
+    if not metrics.is_file():
+        fail(f"no metrics.jsonl in {folder} (a run folder holds args.json and metrics.jsonl)")
+    lines = metrics.read_text().splitlines()
+    rows = [read_json(f"{metrics} line {i}", line) for i, line in enumerate(lines, 1) if line.strip()]
+    if not all(isinstance(row, dict) and "global_step" in row for row in rows):
+        fail(f"{metrics}: every line should be a JSON object with a global_step")
+    parts = folder.name.rsplit("__", 3)  # {env_id}__{exp_name}__{seed}__{time}, if args.json is missing
+    env_id, exp_name = parts[:2] if len(parts) == 4 else ("unknown env", folder.name)
+    args_file = folder / "args.json"
+    args = read_json(args_file, args_file.read_text()) if args_file.is_file() else {}
+    return Run(folder, args.get("env_id", env_id), args.get("exp_name", exp_name), args.get("num_seeds", 1), rows)
+
+
+def seed_columns(run, y):
+    """The columns of `y` that are seeds: anakin_ppo's `{y}_seed0`, `{y}_seed1`, ... if any, else `y`."""
+    pattern = re.compile(re.escape(y) + r"_seed(\d+)")
+    found = {int(m[1]): key for row in run.rows for key in row if (m := pattern.fullmatch(key))}
+    if found:
+        return [found[i] for i in sorted(found)]
+    return [y] if any(y in row for row in run.rows) else []
+
+
+def seconds(run):
+    """Training seconds at each row, from charts/SPS (no script logs a clock).
+
+    Each of the four scripts measures a row's SPS over exactly the steps since its previous
+    row (anakin_ppo over all its seeds' steps, global_step counting one seed's), so that window
+    lasted step increment x num_seeds / SPS seconds. Summed, this is the time the training loop
+    ran: the Anakin scripts leave compilation out of SPS, the Sebulba ones count it in their
+    first row. The first row counts from step 0, which overstates it for a resumed run.
+    """
+    if not all(row.get("charts/SPS", 0) > 0 for row in run.rows):
+        fail(f"{run.folder}: --x time needs charts/SPS > 0 in every row of metrics.jsonl")
+    steps = np.array([row["global_step"] for row in run.rows], dtype=float)
+    sps = np.array([row["charts/SPS"] for row in run.rows], dtype=float)
+    return np.cumsum(np.diff(steps, prepend=0.0) * run.num_seeds / sps)
+
+
+def seed_series(run, y, x_axis):
+    """One (x, y) pair of arrays per seed of `run`, from the rows that hold the value."""
+    xs = seconds(run) if x_axis == "time" else np.array([row["global_step"] for row in run.rows], dtype=float)
+    series = []
+    for column in seed_columns(run, y):
+        kept = [i for i, row in enumerate(run.rows) if column in row]
+        series.append((xs[kept], np.array([run.rows[i][column] for i in kept], dtype=float)))
+    return series
+
+
+def group_seeds(runs, y, x_axis):
+    """{(env_id, exp_name): [(x, y) per seed]}, in the order the runs were given."""
+    groups = {}
+    for run in runs:
+        groups.setdefault((run.env_id, run.exp_name), []).extend(seed_series(run, y, x_axis))
+    return {key: seeds for key, seeds in groups.items() if seeds}
+
+
+def make_curve(label, seeds):
+    """Mean and min-max over seeds, each interpolated onto their common x values."""
+    start, end = max(x[0] for x, _ in seeds), min(x[-1] for x, _ in seeds)
+    if start > end:
+        fail(f"the seeds of {label} share no x range (one ends before another starts)")
+    grid = np.unique(np.concatenate([x for x, _ in seeds]))
+    grid = grid[(grid >= start) & (grid <= end)]
+    ys = np.array([np.interp(grid, x, y) for x, y in seeds])
+    return Curve(label, grid, ys.mean(0), ys.min(0), ys.max(0))
+
+
+def plot(curves, x_axis, y, refs=(), title=None):
+    """The figure: a mean line and a min-max band per curve, a grey broken line per reference."""
+    # Imported here, as it takes a second: bad input is answered before that.
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, never a window
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import EngFormatter
+
+    fig = Figure(figsize=(8, 5), layout="constrained")
+    ax = fig.add_subplot()
+    for curve in curves:
+        (line,) = ax.plot(curve.x, curve.mean, label=curve.label, linewidth=1.8)
+        ax.fill_between(curve.x, curve.low, curve.high, color=line.get_color(), alpha=0.2, linewidth=0)
+    for (label, value), style in zip(refs, itertools.cycle(["--", ":", "-."])):
+        ax.axhline(value, color="0.3", linestyle=style, linewidth=1.2, label=f"{label} ({value:g})")
+    ax.set_xlabel(X_LABELS[x_axis])
+    ax.set_ylabel(y)
+    if x_axis == "steps":
+        ax.xaxis.set_major_formatter(EngFormatter(sep=""))  # 1.5M steps, not 1.5e6
+    ax.grid(alpha=0.3)
+    if title:
+        ax.set_title(textwrap.fill(title, 80))  # a long title wraps instead of running off the figure
+    # Below the axes: labels carry long env ids and must not hide the curves.
+    fig.legend(loc="outside lower center", ncols=2 if len(ax.get_lines()) > 3 else 1, frameon=False)
+    return fig
+
+
+def reference(text):
+    """--ref "LABEL=VALUE" -> (label, value)."""
+    label, _, value = text.rpartition("=")
+    try:
+        number = float(value)
+    except ValueError:
+        number = math.nan
+    if not label.strip() or not math.isfinite(number):
+        raise argparse.ArgumentTypeError(f"{text!r} is not LABEL=VALUE with a finite number, e.g. \"random play=0.46\"")
+    return label.strip(), number
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.error = fail  # one `error:` line and status 2, as for every other bad input
+    parser.add_argument("runs", nargs="+", metavar="RUN_FOLDER", help="run folders holding metrics.jsonl")
+    parser.add_argument("-o", "--output", required=True, type=Path, help="picture to write (.png, .pdf, .svg)")
+    parser.add_argument("--x", choices=X_LABELS, default="steps", help="global_step, or training seconds")
+    parser.add_argument("--y", default="charts/episodic_return", help="scalar to plot")
+    parser.add_argument("--ref", type=reference, action="append", default=[], metavar="LABEL=VALUE",
+                        help="horizontal reference line, e.g. \"random play=0.46\" (repeatable)")
+    parser.add_argument("--title", help="title above the plot")
+    args = parser.parse_args(argv)
+    if not args.output.parent.is_dir():
+        fail(f"-o {args.output}: folder {args.output.parent} does not exist")
+    return args
+
+
+def main(argv=None):
+    """Plot, write the picture and return the figure."""
+    args = parse_args(argv)
+    runs = [read_run(folder) for folder in args.runs]
+    groups = group_seeds(runs, args.y, args.x)
+    if not groups:
+        names = sorted({key for run in runs for row in run.rows for key in row} - {"global_step"})
+        fail(f"--y {args.y}: no run has this scalar (they have: {', '.join(names) or 'no rows'})")
+    for run in runs:
+        if not seed_columns(run, args.y):
+            print(f"warning: {run.folder} has no {args.y}; left out", file=sys.stderr)
+    curves = [make_curve(f"{env_id} · {exp_name} ({len(seeds)} seed{'s' * (len(seeds) > 1)})", seeds)
+              for (env_id, exp_name), seeds in groups.items()]
+    fig = plot(curves, args.x, args.y, args.ref, args.title)
+    try:
+        fig.savefig(args.output, dpi=150)
+    except ValueError as e:  # an unknown format: matplotlib lists the ones it knows
+        fail(f"-o {args.output}: {e}")
+    print(f"wrote {args.output}")
+    return fig
+
+
+if __name__ == "__main__":
+    main()

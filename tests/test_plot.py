@@ -1,0 +1,171 @@
+"""tests/plot.py: seeds grouped into mean curves with min-max bands, --x time, --ref, bad input."""
+
+import json
+
+import numpy as np
+import pytest
+from matplotlib.collections import PolyCollection
+
+from conftest import error_line, load, run
+
+plot = load("tests/plot.py")
+SCRIPT = "tests/plot.py"
+RETURN = "charts/episodic_return"
+STEPS = np.arange(1, 6) * 100.0  # global_step of the five rows every synthetic run logs
+
+
+def write_run(root, env_id, exp_name, seed, rows, num_seeds=None, with_args=True):
+    """A run folder as the scripts leave it: args.json (unless `with_args` is False) and metrics.jsonl."""
+    folder = root / f"{env_id}__{exp_name}__{seed}__{1700000000 + seed}"
+    folder.mkdir(parents=True)
+    args = {"env_id": env_id, "exp_name": exp_name, "seed": seed}
+    if num_seeds is not None:
+        args["num_seeds"] = num_seeds
+    if with_args:
+        (folder / "args.json").write_text(json.dumps(args))
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return folder
+
+
+def rows(returns, steps=STEPS, sps=50.0):
+    """metrics.jsonl rows; `sps` is one figure or one per row."""
+    sps = np.broadcast_to(sps, len(steps))
+    return [{"global_step": int(s), "charts/SPS": float(v), RETURN: float(r)} for s, v, r in zip(steps, sps, returns)]
+
+
+def seed_returns(seed):
+    return np.linspace(0, 10, len(STEPS)) * (1 + seed / 10)
+
+
+@pytest.fixture
+def folders(tmp_path):
+    """3 seeds of sebulba_impala, 2 of anakin_catch, one anakin_ppo run of 4 seeds in columns."""
+    impala = [write_run(tmp_path, "Breakout-v5", "sebulba_impala", s, rows(seed_returns(s))) for s in (1, 2, 3)]
+    catch = [write_run(tmp_path, "Catch", "anakin_catch", s, rows(seed_returns(s) - 5)) for s in (1, 2)]
+    ppo_rows = rows(np.full(len(STEPS), -99.0))  # the mean column: must not be taken as a seed
+    for row, step in zip(ppo_rows, STEPS):
+        row.update({f"{RETURN}_seed{i}": step / 100 * i for i in range(4)})
+    ppo = write_run(tmp_path, "CartPole-v1", "anakin_ppo", 1, ppo_rows, num_seeds=4)
+    return impala + catch + [ppo]
+
+
+def draw(folders, tmp_path, *extra):
+    out = tmp_path / "out.png"
+    fig = plot.main([*map(str, folders), "-o", str(out), *extra])
+    return fig, out
+
+
+def curves(fig):
+    """{legend label: mean Line2D}, bands and the reference lines of the figure's one axes."""
+    (ax,) = fig.axes
+    bands = [c for c in ax.collections if isinstance(c, PolyCollection)]
+    means = {line.get_label(): line for line in ax.get_lines() if line.get_linestyle() == "-"}
+    refs = [line for line in ax.get_lines() if line.get_linestyle() != "-"]
+    return means, bands, refs
+
+
+def test_each_configuration_is_one_mean_line_and_band_over_its_seeds(folders, tmp_path):
+    fig, out = draw(folders, tmp_path)
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    means, bands, refs = curves(fig)
+    assert sorted(means) == ["Breakout-v5 · sebulba_impala (3 seeds)", "CartPole-v1 · anakin_ppo (4 seeds)",
+                             "Catch · anakin_catch (2 seeds)"]
+    assert len(bands) == 3 and refs == []
+    impala = means["Breakout-v5 · sebulba_impala (3 seeds)"]
+    np.testing.assert_allclose(impala.get_xdata(), STEPS)
+    np.testing.assert_allclose(impala.get_ydata(), np.mean([seed_returns(s) for s in (1, 2, 3)], axis=0))
+    legend = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert sorted(legend) == sorted(means)
+
+
+def test_anakin_ppo_seed_columns_are_the_seeds_of_its_curve(folders, tmp_path):
+    fig, _ = draw(folders[-1:], tmp_path)
+    means, (band,), _ = curves(fig)
+    columns = np.array([STEPS / 100 * i for i in range(4)])  # [seed, row]
+    np.testing.assert_allclose(means["CartPole-v1 · anakin_ppo (4 seeds)"].get_ydata(), columns.mean(0))
+    low, high = band.get_paths()[0].vertices[:, 1].min(), band.get_paths()[0].vertices[:, 1].max()
+    assert (low, high) == (columns.min(), columns.max())
+
+
+def test_seeds_are_interpolated_onto_the_range_all_of_them_cover(tmp_path):
+    a = write_run(tmp_path, "Catch", "anakin_catch", 1, rows([0, 10, 20, 30, 40], steps=[0, 100, 200, 300, 400]))
+    b = write_run(tmp_path, "Catch", "anakin_catch", 2, rows([0, 30, 60], steps=[50, 200, 350]))
+    fig, _ = draw([a, b], tmp_path)
+    (mean,) = curves(fig)[0].values()
+    grid = np.array([50, 100, 200, 300, 350])  # both seeds' steps between 50 and 350
+    expected = (grid / 10 + (grid - 50) / 5) / 2  # each seed's returns are linear in its steps
+    np.testing.assert_allclose(mean.get_xdata(), grid)
+    np.testing.assert_allclose(mean.get_ydata(), expected)
+
+
+def test_x_time_adds_up_step_increments_over_sps_times_num_seeds(tmp_path):
+    steps, sps = [100, 200, 300], np.array([10.0, 20.0, 50.0])
+    catch = write_run(tmp_path, "Catch", "anakin_catch", 1, rows([1, 2, 3], steps, sps))
+    ppo = write_run(tmp_path, "Catch", "anakin_ppo", 1, rows([1, 2, 3], steps, 4 * sps), num_seeds=4)
+    fig, _ = draw([catch, ppo], tmp_path, "--x", "time")
+    means = curves(fig)[0]
+    for line in means.values():
+        np.testing.assert_allclose(line.get_xdata(), [10, 15, 17])  # 100/10, +100/20, +100/50 seconds
+    assert fig.axes[0].get_xlabel() == "training wall-clock seconds"
+
+
+def test_reference_lines_are_drawn_and_named_in_the_legend(folders, tmp_path):
+    fig, _ = draw(folders[:3], tmp_path, "--ref", "random play=0.46", "--ref", "published = 7.5", "--title", "T")
+    means, bands, refs = curves(fig)
+    assert len(means) == len(bands) == 1
+    assert [line.get_ydata()[0] for line in refs] == [0.46, 7.5]
+    legend = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert "random play (0.46)" in legend and "published (7.5)" in legend
+    assert fig.axes[0].get_title() == "T"
+
+
+def test_without_args_json_the_folder_name_names_the_curve(tmp_path):
+    folders = [write_run(tmp_path, "Pong-v5", "sebulba_ppo_atari", s, rows(seed_returns(s)), with_args=False)
+               for s in (1, 2)]
+    fig, _ = draw(folders, tmp_path)
+    assert list(curves(fig)[0]) == ["Pong-v5 · sebulba_ppo_atari (2 seeds)"]
+    assert fig.axes[0].get_ylabel() == RETURN
+
+
+def test_a_run_without_the_scalar_is_left_out_with_a_warning(folders, tmp_path, capsys):
+    no_return = write_run(tmp_path, "Catch", "anakin_catch", 9, [{"global_step": 100, "charts/SPS": 50.0}])
+    fig, _ = draw([*folders[:3], no_return], tmp_path)
+    assert list(curves(fig)[0]) == ["Breakout-v5 · sebulba_impala (3 seeds)"]
+    assert f"warning: {no_return} has no {RETURN}; left out" in capsys.readouterr().err
+
+
+def bad_input(tmp_path, folder, *flags):
+    """Run plot.py on bad input; assert one `error:` line (nothing else), status 2, no picture."""
+    out = tmp_path / "out.png"
+    result = run(SCRIPT, [folder, "-o", out, *flags], tmp_path, run_dir=False)
+    line = error_line(result)
+    assert result.output.strip() == line and not out.exists()
+    return line
+
+
+@pytest.mark.parametrize("metrics, expected", [
+    (None, "no metrics.jsonl in"),
+    ('{"global_step": 100}\n{"global_st', "metrics.jsonl line 2 is not valid JSON"),
+    ('{"charts/SPS": 1.0}\n', "every line should be a JSON object with a global_step"),
+])
+def test_a_bad_run_folder_is_an_error(tmp_path, metrics, expected):
+    folder = tmp_path / "Catch__anakin_catch__1__1700000001"
+    folder.mkdir()
+    if metrics is not None:
+        (folder / "metrics.jsonl").write_text(metrics)
+    assert expected in bad_input(tmp_path, folder)
+
+
+@pytest.mark.parametrize("flags, expected", [
+    (["--y", "losses/nothing"], "--y losses/nothing: no run has this scalar (they have: charts/SPS, charts/episodic"),
+    (["--ref", "random play"], "argument --ref: 'random play' is not LABEL=VALUE"),
+    (["--ref", "random play=lots"], "is not LABEL=VALUE"),
+    (["--ref", "=0.46"], "is not LABEL=VALUE"),
+    (["--ref", "x=nan"], "is not LABEL=VALUE"),
+    (["-o", "{tmp}/no/such/out.png"], "no/such does not exist"),
+    (["-o", "{tmp}/out.pgn"], "Format 'pgn' is not supported"),
+    (["--x", "hours"], "invalid choice: 'hours'"),
+])
+def test_bad_flags_are_one_error_line_and_status_2(tmp_path, flags, expected):
+    folder = write_run(tmp_path, "Catch", "anakin_catch", 1, rows(seed_returns(1)))
+    assert expected in bad_input(tmp_path, folder, *(f.format(tmp=tmp_path) for f in flags))
