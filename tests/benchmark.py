@@ -158,11 +158,13 @@ def impala_worker(env_id, flags, updates, log_every):
 
 
 def bench_impala():
-    cases = [("Breakout-v5", {"local_num_envs": 8, "num_steps": 20}, 9, 3),  # the default network
-             ("CartPole-v1", {}, 200, 50)]
-    return [{"env": env_id, **sebulba_row(worker("impala_worker", env_id=env_id, flags=flags, updates=updates,
-                                                 log_every=log_every), digits=3)}
-            for env_id, flags, updates, log_every in cases]
+    cases = [("Breakout-v5", "deep", 9, 3), ("Breakout-v5", "shallow", 30, 10), ("CartPole-v1", "mlp", 200, 50)]
+    rows = []
+    for env_id, network, updates, log_every in cases:
+        flags = {"local_num_envs": 8, "num_steps": 20, "network": network} if network != "mlp" else {}
+        r = worker("impala_worker", env_id=env_id, flags=flags, updates=updates, log_every=log_every)
+        rows.append({"env": env_id, "network": network, **sebulba_row(r, digits=3)})
+    return rows
 
 
 def ppo_atari_worker(flags, updates, log_every):
