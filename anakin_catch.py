@@ -6,6 +6,14 @@ them with Q(lambda). That unit is `vmap`ped over the envs of a device, many upda
 (`fori_loop`) inside one compiled call, and the call is replicated over every device (and
 host) with `jit` + `shard_map`; gradients are averaged over envs and then across devices.
 
+The agent is the paper colab's: a Q-network with one hidden layer of 256, Adam with step size
+1e-4, 128 envs a device, rollouts of 16 steps, discount 1, lambda 0.99, the mean squared
+Q(lambda) error with max_a Q bootstraps. Where this file departs from the colab: it acts
+epsilon-greedily (the colab greedily: a greedy agent that misses the ball in some columns may
+never try the moves that would catch it); its episodes are bsuite's 9 steps (the colab also
+spends a step on the final board); all 16 steps of a rollout are learned from (the colab's loss
+leaves out the last); and a device holds one copy of the parameters, not one a lane.
+
     host (Python)          one call = `--log-every` updates, no return to Python between them
     -------------          ---------------------------------------------------------------------
                            device 0                          device 1  ...  (every host)
@@ -19,7 +27,7 @@ host) with `jit` + `shard_map`; gradients are averaged over envs and then across
     log, checkpoint <---   metrics (psum / pmean)
 
 Examples:
-    python anakin_catch.py                                   # ~1 min on a laptop CPU
+    python anakin_catch.py                                   # ~1 min on a 2-core CPU
     python anakin_catch.py --num-envs-per-device 1024 --total-timesteps 20_000_000
     python anakin_catch.py --resume runs/Catch__anakin_catch__1__1700000000/checkpoint.npz
 """
@@ -54,9 +62,9 @@ class Args:
     """experiment name, part of the run folder's name"""
     seed: int = 1
     """seeds parameters, environments and exploration"""
-    total_timesteps: int = 2_000_000
+    total_timesteps: int = 16_000_000
     """environment steps summed over all envs, devices and hosts"""
-    learning_rate: float = 3e-4
+    learning_rate: float = 1e-4
     """Adam step size"""
     num_envs_per_device: int = 128
     """environment lanes vmapped on each device"""
@@ -69,7 +77,7 @@ class Args:
     q_lambda: float = 0.99
     """lambda of the Q(lambda) returns"""
     epsilon: float = 0.01
-    """probability of a uniformly random action (acting is otherwise greedy)"""
+    """probability of a uniformly random action (acting is otherwise greedy; the colab's is 0)"""
     log_every: int = 10
     """updates per compiled call (no return to Python between them); one log line per call"""
     checkpoint_every: int = 100
@@ -121,26 +129,23 @@ def step(state, action, key):
     return state, reward, done
 
 
-# ---- The network: a Q-network MLP (256, 256), as in the paper's example ------------------
+# ---- The network: the paper's Q-network, one hidden layer of 256 units ------------------
 
-def init_params(key, sizes=(ROWS * COLS, 256, 256, NUM_ACTIONS)):
-    params = {}
-    for i, (n_in, n_out) in enumerate(zip(sizes[:-1], sizes[1:])):
-        key, sub = jax.random.split(key)
-        params[f"layer{i}"] = {
-            "w": jax.random.normal(sub, (n_in, n_out)) * jnp.sqrt(2.0 / n_in),  # He init
-            "b": jnp.zeros(n_out),
-        }
-    return params
+def linear(key, n_in, n_out):
+    """A layer initialised as Haiku's `hk.Linear` (the colab's): normal truncated at 2 std, std 1/sqrt(n_in)."""
+    return {"w": jax.random.truncated_normal(key, -2.0, 2.0, (n_in, n_out)) / jnp.sqrt(n_in), "b": jnp.zeros(n_out)}
+
+
+def init_params(key, hidden=256):
+    k_hidden, k_out = jax.random.split(key)
+    return {"hidden": linear(k_hidden, ROWS * COLS, hidden), "out": linear(k_out, hidden, NUM_ACTIONS)}
 
 
 def apply(params, obs):
-    """Q-values [..., NUM_ACTIONS] of boards [..., ROWS, COLS]."""
+    """Q-values [..., NUM_ACTIONS] of boards [..., ROWS, COLS]: Flatten, Linear(256), ReLU, Linear(3)."""
     x = obs.reshape(*obs.shape[:-2], -1)
-    layers = list(params.values())
-    for layer in layers[:-1]:
-        x = jax.nn.relu(x @ layer["w"] + layer["b"])
-    return x @ layers[-1]["w"] + layers[-1]["b"]
+    x = jax.nn.relu(x @ params["hidden"]["w"] + params["hidden"]["b"])
+    return x @ params["out"]["w"] + params["out"]["b"]
 
 
 # ---- The loss: Q(lambda) (Watkins/Peng-style lambda-returns that bootstrap with max_a Q) --
@@ -194,7 +199,7 @@ def rollout(params, lane, args):
 
 
 def q_lambda_loss(q, q_last, actions, rewards, dones, gamma, lam):
-    """Half the mean squared TD error of Q(s_t, a_t) against Q(lambda) returns.
+    """Mean squared TD error of Q(s_t, a_t) against Q(lambda) returns (the colab's loss).
 
     q: [T, A] Q-values at s_0..s_T-1; q_last: [A] at s_T; the rest [T]. Q at s_t+1 is the
     next step's row of `q`; after an episode end that row belongs to the reset state, and
@@ -203,7 +208,7 @@ def q_lambda_loss(q, q_last, actions, rewards, dones, gamma, lam):
     next_values = jnp.max(jnp.concatenate([q[1:], q_last[None]]), axis=-1)
     targets = lambda_returns(rewards, gamma * (1.0 - dones), next_values, lam)
     q_taken = jnp.take_along_axis(q, actions[:, None], axis=-1)[:, 0]
-    return 0.5 * jnp.mean((jax.lax.stop_gradient(targets) - q_taken) ** 2)
+    return jnp.mean((jax.lax.stop_gradient(targets) - q_taken) ** 2)
 
 
 class Stats(NamedTuple):

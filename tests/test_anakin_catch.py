@@ -12,6 +12,7 @@ from conftest import checksum, error_line, load, run, run_two_hosts, spawn
 catch = load("anakin_catch.py")
 SCRIPT = "anakin_catch.py"
 STEPS_PER_UPDATE = 16 * 128  # default --num-steps x --num-envs-per-device
+BUDGET = catch.Args.total_timesteps  # the default --total-timesteps
 
 
 def play(actions, ball_x=3, key=0):
@@ -71,6 +72,23 @@ def test_paddle_is_clipped_at_the_walls():
     assert [int(s.paddle_x) for s in right] == [3, 4, 4, 4, 4]
 
 
+# ---- The network ----------------------------------------------------------------------------
+
+def test_network_is_the_colabs_one_hidden_layer_of_256_initialised_as_haiku_does():
+    params = catch.init_params(jax.random.PRNGKey(0))
+    assert jax.tree.map(np.shape, params) == {"hidden": {"w": (50, 256), "b": (256,)}, "out": {"w": (256, 3), "b": (3,)}}
+    for layer in params.values():  # hk.Linear: normal truncated at 2 std, std 1/sqrt(fan_in), zero bias
+        w = np.asarray(layer["w"]) * np.sqrt(layer["w"].shape[0])
+        assert np.abs(w).max() <= 2.0 and (np.asarray(layer["b"]) == 0).all()
+    hidden = np.asarray(params["hidden"]["w"]) * np.sqrt(50)
+    np.testing.assert_allclose(hidden.std(), 0.8796, rtol=0.02)  # a standard normal cut at +-2: std 0.88
+    # Flatten, Linear(256), ReLU, Linear(3)
+    p = jax.tree.map(np.asarray, params)
+    boards = np.random.default_rng(0).random((4, 10, 5)).astype(np.float32)
+    x = np.maximum(boards.reshape(4, 50) @ p["hidden"]["w"] + p["hidden"]["b"], 0)
+    np.testing.assert_allclose(catch.apply(params, boards), x @ p["out"]["w"] + p["out"]["b"], rtol=1e-5, atol=1e-5)
+
+
 # ---- Q(lambda) ----------------------------------------------------------------------------
 
 def numpy_q_lambda(q, q_last, actions, rewards, dones, gamma, lam):
@@ -89,7 +107,7 @@ def numpy_q_lambda(q, q_last, actions, rewards, dones, gamma, lam):
             targets[t] += w * (ret + disc * q_all[t + n].max())
             weight_left -= w
     q_taken = q[np.arange(T), actions]
-    return targets, 0.5 * np.mean((targets - q_taken) ** 2)
+    return targets, np.mean((targets - q_taken) ** 2)
 
 
 def random_rollout(seed, T=16, A=3):
@@ -117,7 +135,7 @@ def test_q_lambda_gradient_moves_only_the_taken_q_values_towards_fixed_targets()
     grad_q, grad_last = jax.grad(jax_loss, argnums=(0, 1))(q, q_last, actions, rewards, dones, 1.0, 0.99)
     expected = np.zeros_like(q)
     T = len(actions)
-    expected[np.arange(T), actions] = (q[np.arange(T), actions] - targets) / T
+    expected[np.arange(T), actions] = 2 * (q[np.arange(T), actions] - targets) / T
     np.testing.assert_allclose(np.asarray(grad_q), expected, atol=1e-5)
     np.testing.assert_array_equal(np.asarray(grad_last), 0.0)  # the bootstrap is only a target
 
@@ -134,7 +152,7 @@ def test_default_run_learns_catch(tmp_path):
     assert result.returncode == 0, result.output[-3000:]
     assert result.last("charts/episodic_return") >= 0.9
     assert result.last("charts/episodic_length") == 9.0
-    assert result.last("global_step") == 2_000_000 // STEPS_PER_UPDATE * STEPS_PER_UPDATE
+    assert result.last("global_step") == BUDGET // STEPS_PER_UPDATE * STEPS_PER_UPDATE
 
 
 @pytest.mark.parametrize("devices", [2, 4])
@@ -144,7 +162,7 @@ def test_default_run_learns_on_several_devices_and_counts_steps_over_all(tmp_pat
     assert result.returncode == 0, result.output[-3000:]
     per_update = 16 * (128 // devices) * devices
     assert [m["global_step"] for m in result.metrics] == [m["update"] * per_update for m in result.metrics]
-    assert result.last("global_step") == 2_000_000 // per_update * per_update
+    assert result.last("global_step") == BUDGET // per_update * per_update
     assert result.last("charts/episodic_return") >= 0.9
 
 
