@@ -15,6 +15,8 @@ agents, and replicated over every device (and host) with `jit` + `shard_map`.
                        loop over updates (vmap seeds):     loop over updates (vmap seeds):
                          rollout T steps, GAE                rollout T steps, GAE
                          epochs x minibatches (own data):    epochs x minibatches (own data):
+                           normalise advantages                normalise advantages
+                                <-- psum: mean, std of the minibatch on all devices -->
                            grads of the PPO loss               grads of the PPO loss
                                 <------ pmean over "devices" (all hosts) ------>
                            Adam step (identical everywhere)    Adam step
@@ -340,14 +342,19 @@ def value_loss(new_values, old_values, targets, clip_coef, clip):
 
 
 def permutations(key, num, n):
-    """`num` random permutations of range(n), [num, n], each a sort by random keys.
+    """`num` uniformly random permutations of range(n), [num, n]: each a sort by random keys.
 
-    The index rides in the keys' low bits: XLA:CPU sorts one uint32 array ~3x faster than (key,
-    index) pairs. Indices whose random high bits tie keep their order: rare, harmless for minibatches.
+    A key is `words` uint32s compared in turn, the row index packed into the last one's low bits
+    (XLA:CPU sorts packed keys faster than keys with an index array beside them). Rows whose keys
+    tie keep their order, which is their order in time; one word would leave 32 - log2(n) random
+    bits, and at 2^20 rows thousands of ties. With at least 2 log2(n) + 32 random bits, any tie in
+    a shuffle has probability below 2^-33, at every size.
     """
     bits = max(1, (n - 1).bit_length())
-    keys = (jax.random.bits(key, (num, n)) << bits) | jnp.arange(n, dtype=jnp.uint32)
-    return (jnp.sort(keys, axis=-1) & ((1 << bits) - 1)).astype(jnp.int32)
+    words = 1 + -(-3 * bits // 32)  # ceil: 32 * words - bits >= 2 * bits + 32
+    keys = list(jax.random.bits(key, (words, num, n)))
+    keys[-1] = (keys[-1] << bits) | jnp.arange(n, dtype=jnp.uint32)
+    return (jax.lax.sort(keys, num_keys=words)[-1] & ((1 << bits) - 1)).astype(jnp.int32)
 
 
 class Batch(NamedTuple):
@@ -368,9 +375,24 @@ class Losses(NamedTuple):
     clipfrac: jax.Array
 
 
+AXIS = "devices"  # the mesh axis: every device of every host
+
+
+def normalize(advantages):
+    """Zero mean, unit std over the agent's global minibatch: its rows on every device.
+
+    Normalising on each device alone would make N devices run another algorithm than one (with
+    one env a device, one env's statistics). Under `vmap` over seeds a psum sums each seed's own.
+    """
+    n = jax.lax.psum(jnp.float32(advantages.size), AXIS)
+    mean = jax.lax.psum(advantages.sum(), AXIS) / n
+    var = jax.lax.psum(((advantages - mean) ** 2).sum(), AXIS) / n
+    return (advantages - mean) / (jnp.sqrt(var) + 1e-8)
+
+
 def ppo_loss(params, batch, args):
     out, values = apply(params, batch.obs)
-    adv = (batch.advantage - batch.advantage.mean()) / (batch.advantage.std() + 1e-8)  # per minibatch
+    adv = normalize(batch.advantage)
     pg_loss, approx_kl, clipfrac = policy_loss(log_prob(params, out, batch.action), batch.log_prob, adv, args.clip_coef)
     v_loss = value_loss(values, batch.value, batch.target, args.clip_coef, args.clip_vloss)
     ent = entropy(params, out).mean()
@@ -379,9 +401,6 @@ def ppo_loss(params, batch, args):
 
 
 # ---- Acting and learning for one agent on one device (the Anakin unit) ---------------------
-
-AXIS = "devices"
-
 
 class Runner(NamedTuple):
     """What one agent carries from update to update."""

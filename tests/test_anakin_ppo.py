@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import checksum, error_line, load, run, run_two_hosts, spawn
+from conftest import ROOT, checksum, error_line, load, run, run_two_hosts, spawn
 
 ppo = load("anakin_ppo.py")
 SCRIPT = "anakin_ppo.py"
@@ -218,6 +218,65 @@ def test_minibatch_shuffles_are_uniform_permutations():
     for index in (0, n - 1):
         position = np.argmax(perms == index, axis=1)
         np.testing.assert_allclose(np.bincount(position * 10 // n, minlength=10) / num, 0.1, atol=0.01)
+
+
+def test_minibatches_of_a_2_20_row_shuffle_mix_time_as_numpys_shuffle_does():
+    # Rows are in time order; tied sort keys would keep runs of rows together and make
+    # minibatches slices of time, their mean row index spread wide.
+    n, size = 2**20, 128  # 8192 minibatches
+    perm = np.asarray(ppo.permutations(jax.random.PRNGKey(0), 1, n))[0]
+    assert (np.sort(perm) == np.arange(n)).all()
+    spread = [(p.reshape(-1, size).mean(axis=1) / n).std() for p in (perm, np.random.default_rng(0).permutation(n))]
+    np.testing.assert_allclose(spread[0], spread[1], rtol=0.05)  # each ~0.026, within ~1% (8192 samples)
+
+
+SAME_MINIBATCH = f'''
+import sys
+import numpy as np
+import jax
+from jax.sharding import Mesh, PartitionSpec as P
+sys.path.insert(0, {str(ROOT / "tests")!r})
+from conftest import load
+
+ppo = load("anakin_ppo.py")
+args = ppo.resolve(ppo.Args())
+env = ppo.ENVS[args.env_id]
+rng = np.random.default_rng(0)
+S, N = 2, 64  # seeds; rows of one minibatch: 2E envs' rows on one device, or E envs' on each of two
+rows = lambda *shape: rng.normal(size=(S, N, *shape)).astype(np.float32)
+advantage = rows() * np.float32([[1], [10]]) + np.float32([[0], [5]])  # the seeds' scales differ
+batch = ppo.Batch(rows(env.obs_size), rng.integers(0, 2, (S, N)).astype(np.int32), rows() - 0.7, rows(), advantage,
+                  rows())
+params = jax.tree.map(lambda *p: np.stack(p), *[ppo.init_params(np.random.default_rng(i), env) for i in range(S)])
+
+
+def step(params, batch):  # what an update does with one minibatch
+    grads = jax.grad(lambda p: ppo.ppo_loss(p, batch, args)[0])(params)
+    return ppo.normalize(batch.advantage), jax.lax.pmean(grads, ppo.AXIS)
+
+
+for n in (1, 2):
+    mesh = Mesh(np.array(jax.devices()[:n]), (ppo.AXIS,))
+    mapped = jax.shard_map(jax.vmap(step), mesh=mesh, in_specs=(P(), P(None, ppo.AXIS)),
+                           out_specs=(P(None, ppo.AXIS), P()), check_vma=False)
+    normalized, grads = jax.jit(mapped)(params, batch)
+    flat = np.concatenate([np.ravel(g) for g in jax.tree.leaves(grads)])
+    np.savez(f"{{n}}.npz", advantage=advantage, normalized=normalized, grads=flat)
+'''
+
+
+def test_advantages_are_normalized_per_seed_over_the_minibatch_on_all_devices(tmp_path):
+    """1 device x 2E envs and 2 devices x E envs: the same normalized advantages and gradients."""
+    (tmp_path / "same_minibatch.py").write_text(SAME_MINIBATCH)
+    result = run(tmp_path / "same_minibatch.py", [], tmp_path, devices=2, run_dir=False, timeout=300)
+    assert result.returncode == 0, result.output[-3000:]
+    one, two = np.load(tmp_path / "1.npz"), np.load(tmp_path / "2.npz")
+    adv = one["advantage"]
+    expected = (adv - adv.mean(axis=1, keepdims=True)) / adv.std(axis=1, keepdims=True)  # each seed's own
+    np.testing.assert_allclose(one["normalized"], expected, atol=1e-5)
+    np.testing.assert_allclose(two["normalized"], expected, atol=1e-5)
+    assert np.abs(one["grads"]).max() > 1e-3
+    np.testing.assert_allclose(two["grads"], one["grads"], rtol=1e-4, atol=1e-6)
 
 
 # ---- End to end ------------------------------------------------------------------------------
