@@ -32,14 +32,17 @@ Examples:
     python anakin_catch.py --resume runs/Catch__anakin_catch__1__1700000000/checkpoint.npz
 """
 
+import dataclasses
 import difflib
 import hashlib
 import json
+import math
 import os
 import signal
 import sys
+import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import NamedTuple
@@ -292,25 +295,17 @@ def shardings(mesh):
     return Learner(NamedSharding(mesh, P()), NamedSharding(mesh, P()), NamedSharding(mesh, P("devices")))
 
 
-# ---- Plumbing: input checks, devices, checkpoints, logging -------------------------------
-
-def fail(message):
-    print(f"error: {message}", file=sys.stderr)
-    sys.exit(2)
-
+# ---- This script's flags, devices and metrics --------------------------------------------
 
 def check_args(args):
+    """Every flag, before anything is compiled."""
     if args.env_id != "Catch":
         close = difflib.get_close_matches(args.env_id, ["Catch"], n=1, cutoff=0.3)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         fail(f"--env-id {args.env_id!r} is not available{hint}; this file defines: 'Catch'")
-    for flag in ("num_envs_per_device", "num_steps", "log_every", "checkpoint_every"):
-        if getattr(args, flag) < 1:
-            fail(f"--{flag.replace('_', '-')} {getattr(args, flag)} must be at least 1")
-    if not 0 <= args.epsilon <= 1:
-        fail(f"--epsilon {args.epsilon} must be in [0, 1]")
-    if args.resume and not Path(args.resume).is_file():
-        fail(f"--resume {args.resume!r}: no such checkpoint file")
+    check_flags(args, counts=("total_timesteps", "num_envs_per_device", "num_steps", "log_every", "checkpoint_every"),
+                unit=("gamma", "q_lambda", "epsilon"), positive=("learning_rate",))
+    check_seed(args.seed, 2**32)
 
 
 def pick_devices(args):
@@ -323,56 +318,12 @@ def pick_devices(args):
     return Mesh(np.array(devices), ("devices",))
 
 
-def flat(tree):
-    return {jax.tree_util.keystr(path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
-
-
-COUNTER = jax.ShapeDtypeStruct((), np.int64)
-
-
-def save(path, learner, update, global_step):
-    # every process takes part in gathering the lanes of all hosts; process 0 writes them
-    arrays = {**flat(multihost_utils.process_allgather(learner, tiled=True)),
-              "update": np.int64(update), "global_step": np.int64(global_step)}
-    if jax.process_index() != 0:
-        return
-    tmp = Path(path).with_suffix(".tmp.npz")
-    np.savez(tmp, **arrays)
-    os.replace(tmp, path)  # a crash never leaves a torn checkpoint
-
-
 def place(learner, mesh):
     """Put a host Learner (NumPy leaves, all lanes) onto the mesh: params replicated, lanes split."""
     def put(sharding, part):
         return jax.tree.map(lambda a: jax.make_array_from_callback(a.shape, sharding, lambda i: a[i]), part)
 
     return Learner(*map(put, shardings(mesh), learner))
-
-
-def load(path, template):
-    """A host Learner and counters from a checkpoint, checked against `template` (shapes)."""
-    try:
-        with np.load(path, allow_pickle=False) as f:
-            arrays = dict(f)
-    except Exception as e:
-        fail(f"--resume {path!r} is not a readable checkpoint ({type(e).__name__}: {e})")
-    expected = {**flat(template), "update": COUNTER, "global_step": COUNTER}
-    for name, spec in expected.items():
-        got = arrays.get(name)
-        if got is None or got.shape != spec.shape or got.dtype != spec.dtype:
-            found = "missing" if got is None else f"{got.dtype}{list(got.shape)}"
-            fail(f"--resume {path!r} does not match this run: {name} is {found}, expected "
-                 f"{spec.dtype}{list(spec.shape)} (same --num-envs-per-device and device count?)")
-    learner = jax.tree.unflatten(jax.tree.structure(template), [arrays[name] for name in flat(template)])
-    return learner, int(arrays["update"]), int(arrays["global_step"])
-
-
-def checksum(params):
-    """sha256 of the parameters' bytes in key-path order, to compare runs and hosts."""
-    digest = hashlib.sha256()
-    for leaf in jax.tree.leaves(params):
-        digest.update(np.asarray(leaf.addressable_data(0)).tobytes())
-    return digest.hexdigest()
 
 
 def summarize(stats, n, args, sps):
@@ -385,36 +336,274 @@ def summarize(stats, n, args, sps):
     return row
 
 
-class Logger:
-    """Console progress line, metrics.jsonl and TensorBoard; files on process 0 only."""
+# ---- Plumbing: the same text in all four scripts (tests/test_plumbing.py keeps it so) ----
+# Not the algorithm: flag checks, joining a multi-host run, the run folder, stop signals,
+# checkpoints, metrics rows and the progress line. Read once, skip in the other files; what
+# differs between the scripts comes in as arguments.
 
-    def __init__(self, args):
-        self.start = time.time()
-        self.dir = Path(args.run_dir) / f"{args.env_id}__{args.exp_name}__{args.seed}__{int(self.start)}"
-        self.main = jax.process_index() == 0
-        if self.main:
-            self.dir.mkdir(parents=True, exist_ok=True)
-            (self.dir / "args.json").write_text(json.dumps(asdict(args), indent=2))
-            self.writer = SummaryWriter(str(self.dir))
+def fail(message):
+    """Bad input: one line on stderr and exit status 2, before anything is compiled."""
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    sys.exit(2)
 
-    def log(self, row, update, num_updates, total_steps, eta):
-        if not self.main:
-            return
-        with open(self.dir / "metrics.jsonl", "a") as f:
-            f.write(json.dumps(row) + "\n")
-        for name, value in row.items():
-            if "/" in name:
-                self.writer.add_scalar(name, value, row["global_step"])
-        step = row["global_step"]
-        print(f"update {update}/{num_updates} | step {step:,}/{total_steps:,} ({step / total_steps:.0%}) | "
-              f"SPS {row['charts/SPS']:,.0f} | return {row.get('charts/episodic_return', float('nan')):.2f} | "
-              f"ETA {int(eta) // 60}m{int(eta) % 60:02d}s", flush=True)
 
+def flag(name):
+    return "--" + name.replace("_", "-")
+
+
+def check_flags(args, counts=(), unit=(), positive=(), nonnegative=()):
+    """Counts at least 1; floats finite and in range (`unit`: [0, 1], `positive`: > 0,
+    `nonnegative`: >= 0); a --resume file that exists."""
+    for name in counts:
+        if getattr(args, name) < 1:
+            fail(f"{flag(name)} {getattr(args, name)} must be at least 1")
+    for names, ok, valid in ((unit, lambda x: 0 <= x <= 1, "in [0, 1]"), (positive, lambda x: x > 0, "above 0"),
+                             (nonnegative, lambda x: x >= 0, "at least 0")):
+        for name in names:
+            value = getattr(args, name)
+            if not (math.isfinite(value) and ok(value)):
+                fail(f"{flag(name)} {value} must be a finite number {valid}")
+    if args.resume is not None and not Path(args.resume).is_file():
+        fail(f"--resume {args.resume!r}: no such checkpoint file")
+
+
+def check_seed(seed, limit):
+    """Seeds in [0, limit) each give their own random numbers: JAX keeps a seed's low 32 bits
+    (limit 2**32), envpool takes int32 seeds (Sebulba: the seed plus each env's index < 2**31)."""
+    if not 0 <= seed < limit:
+        fail(f"--seed {seed} must be in 0..{limit - 1:,}: other seeds repeat these seeds' random numbers "
+             "or are refused by the environments")
+
+
+def start_distributed(args):
+    """Join a multi-host run (jax.distributed) if --distributed is given. A dead peer ends the
+    others within two minutes (`lost_peer`, `watch_peers`)."""
+    given = [flag(name) for name in ("coordinator_address", "num_processes", "process_id")
+             if getattr(args, name) is not None]
+    if not args.distributed:
+        if given:
+            fail(f"{', '.join(given)} only apply to a multi-host run: add --distributed")
+        return
+    if args.num_processes is not None and args.num_processes < 1:
+        fail(f"--num-processes {args.num_processes} must be at least 1")
+    if None not in (args.num_processes, args.process_id) and not 0 <= args.process_id < args.num_processes:
+        fail(f"--process-id {args.process_id} must be in 0..{args.num_processes - 1} (--num-processes "
+             f"{args.num_processes})")
+    # JAX's preemption service would take SIGTERM from `catch_stop_signals`; `stop_signal` does its job.
+    jax.config.update("jax_enable_preemption_service", False)
+    try:
+        # JAX's heartbeat (150 s here) only ends the run if `watch_peers` (at most 120 s) has not.
+        jax.distributed.initialize(args.coordinator_address, args.num_processes, args.process_id,
+                                   heartbeat_timeout_seconds=150)
+    except (ValueError, TypeError, RuntimeError) as e:
+        fail(f"--distributed: {str(e).splitlines()[0]} (outside a cluster JAX detects (SLURM, Cloud TPU, "
+             "Kubernetes), give --coordinator-address, --num-processes and --process-id)")
+
+
+def check_fits(num_bytes, what):
+    """Refuse, up front, buffers that cannot fit in this host's memory."""
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if num_bytes > memory:
+        fail(f"{what} would need {num_bytes / 2**30:,.1f} GiB, more than this host's {memory / 2**30:,.1f} GiB")
+
+
+class Run(NamedTuple):
+    folder: Path | None  # process 0 only: the other processes write nothing
+    writer: SummaryWriter | None
+    checkpoint: Path | None
+
+
+def open_run(args):
+    """{run-dir}/{env}__{exp-name}__{seed}__{unix time}, flat for namespaced ids. A run only writes into
+    a folder it created: a second run started in the same second gets the suffix _1, _2, ..."""
+    if jax.process_index() != 0:
+        return Run(None, None, None)
+    base = f"{args.env_id.replace(':', '_').replace('/', '_')}__{args.exp_name}__{args.seed}__{int(time.time())}"
+    folder, n = Path(args.run_dir) / base, 0
+    while True:
+        try:
+            folder.mkdir(parents=True)
+            break
+        except FileExistsError:
+            n += 1
+            folder = Path(args.run_dir) / f"{base}_{n}"
+        except OSError as e:
+            fail(f"--run-dir {args.run_dir!r}: cannot make a run folder in it ({e.strerror})")
+    (folder / "args.json").write_text(json.dumps(dataclasses.asdict(args), indent=2))
+    return Run(folder, SummaryWriter(str(folder)), folder / "checkpoint.npz")
+
+
+def catch_stop_signals():
+    """Ctrl-C (SIGINT) and SIGTERM (what SLURM and Kubernetes send before a kill) only note the
+    signal: the run stops at its next safe point, writes a checkpoint and exits 128 + the signal's
+    number (130, 143). Raising inside JAX or envpool could hang. A second signal exits at once."""
+    caught = []
+
+    def note(signum, _):
+        if caught:
+            os._exit(128 + signum)
+        caught.append(signum)
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, note)
+    return caught
+
+
+def stop_signal(caught):
+    """0 to go on, else the signal to stop for; the same on every process of a multi-host run (the
+    largest caught anywhere), so that every process stops after the same update."""
+    mine = caught[0] if caught else 0
+    if jax.process_count() == 1:
+        return mine
+    return int(np.max(multihost_utils.process_allgather(np.int32(mine))))
+
+
+def flat(tree):
+    """{key path: leaf}: the names of a checkpoint's arrays."""
+    return {jax.tree_util.keystr(path, simple=True, separator="/"): leaf
+            for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def save(path, tree):
+    """Write host arrays to `path` (None: not process 0) through a temporary file moved into place,
+    so a crash or a kill never leaves a torn checkpoint."""
+    if path is None:
+        return
+    tmp = path.with_name("checkpoint.tmp.npz")
+    np.savez(tmp, **flat(tree))
+    os.replace(tmp, path)
+
+
+def load(path, template, num_updates, hint):
+    """The checkpoint at `path` as host arrays shaped like `template` (a dict with an "update" count).
+    Unreadable files, other runs' checkpoints (`hint`: which flags must match) and runs already at
+    this run's last update are one error line."""
+    try:
+        with np.load(path, allow_pickle=False) as f:
+            arrays = dict(f)
+    except Exception as e:  # empty, truncated, random bytes, pickled
+        fail(f"--resume {path!r} is not a readable checkpoint ({type(e).__name__}: {str(e).splitlines()[0]})")
+    names = flat(template)
+    for name, like in names.items():
+        got = arrays.get(name)
+        if got is None or got.shape != like.shape or got.dtype != like.dtype:
+            found = "missing" if got is None else f"{got.dtype}{list(got.shape)}"
+            fail(f"--resume {path!r} does not match this run: {name} is {found}, expected "
+                 f"{like.dtype}{list(like.shape)} ({hint})")
+    tree = jax.tree.unflatten(jax.tree.structure(template), [arrays[name] for name in names])
+    if tree["update"] >= num_updates:
+        fail(f"--resume {path!r} is at update {int(tree['update'])}, the end of a {num_updates}-update run: "
+             "raise --total-timesteps to go on")
+    return tree
+
+
+def on_disk(run):
+    """What a stopping run leaves behind, said exactly."""
+    if run.folder is None:
+        return "process 0 writes this run's checkpoints"
+    if not run.checkpoint.is_file():
+        return f"no checkpoint was written yet ({run.folder} holds args.json and the metrics)"
+    with np.load(run.checkpoint) as f:
+        return f"the checkpoint {run.checkpoint} holds update {int(f['update'])}: go on with --resume {run.checkpoint}"
+
+
+def close(run):
+    if run.writer is not None:
+        run.writer.close()
+
+
+def exit_now(code, run):
+    """Close the logs and end the process without the interpreter's shutdown, which could wait on a
+    thread inside envpool or XLA, or on a dead peer (jax.distributed's shutdown barrier)."""
+    close(run)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def stopped(signum, update, run):
+    print(f"stopped by {signal.Signals(signum).name} after update {update}: {on_disk(run)}", flush=True)
+    exit_now(128 + signum, run)
+
+
+def check_finite(losses, update, run):
+    """Stop the run (exit status 1) at a NaN or infinite loss, saying which checkpoint is on disk."""
+    bad = {name: value for name, value in losses.items() if not math.isfinite(value)}
+    if bad:
+        print(f"error: non-finite loss at update {update} ({bad}); {on_disk(run)}", file=sys.stderr, flush=True)
+        exit_now(1, run)
+
+
+def lost_peer(error, run):
+    """Multi-host: a collective failed, nearly always because another process died. One line, then exit:
+    a normal exit would wait for the dead peer at jax.distributed's shutdown and abort 100 s later."""
+    print(f"error: lost contact with another process of this {jax.process_count()}-process run "
+          f"({str(error).splitlines()[0]}); {on_disk(run)} on every process", file=sys.stderr,
+          flush=True)
+    exit_now(1, run)
+
+
+def watch_peers(run):
+    """Multi-host: a collective whose peer died often fails at once (`lost_peer`), but it can also
+    block until JAX's heartbeat aborts the process with a C++ stack. From the end of the first log
+    interval on, a thread ends the run with one line when `beat` (called at each safe point) goes
+    quiet for 3 times the longest interval so far, at least 60 s and at most 120 s."""
+    beats = [0, time.monotonic(), 0.0]  # calls so far, time of the last one, longest interval
+
+    def beat():
+        now = time.monotonic()
+        longest = max(beats[2], now - beats[1]) if beats[0] >= 1 else 0.0
+        beats[:] = [beats[0] + 1, now, longest]
+
+    def limit():
+        return min(120.0, max(60.0, 3 * beats[2]))
+
+    def watch():
+        while beats[0] < 2 or time.monotonic() - beats[1] < limit():
+            time.sleep(1)
+        print(f"error: no progress for {limit():.0f} s in this {jax.process_count()}-process run: another process "
+              f"has probably died; {on_disk(run)} on every process", file=sys.stderr, flush=True)
+        exit_now(1, run)
+
+    if jax.process_count() > 1:
+        threading.Thread(target=watch, daemon=True).start()
+    return beat
+
+
+def duration(seconds):
+    minutes, seconds = divmod(int(seconds), 60)
+    return f"{minutes // 60}h{minutes % 60:02d}m" if minutes >= 60 else f"{minutes}m{seconds:02d}s"
+
+
+def log(run, row, update, num_updates, total_steps, eta):
+    """A metrics row (CleanRL's names) to metrics.jsonl and TensorBoard, and the progress line; process 0."""
+    if run.folder is None:
+        return
+    with open(run.folder / "metrics.jsonl", "a") as f:
+        f.write(json.dumps(row) + "\n")
+    for name, value in row.items():
+        if "/" in name:
+            run.writer.add_scalar(name, value, row["global_step"])
+    step, ret = row["global_step"], row.get("charts/episodic_return")
+    print(f"update {update}/{num_updates} | step {step:,}/{total_steps:,} ({step / total_steps:.0%}) | "
+          f"SPS {row['charts/SPS']:,.0f} | return {'-' if ret is None else f'{ret:.2f}'} | ETA {duration(eta)}",
+          flush=True)
+
+
+def checksum(params):
+    """sha256 of this host's copy of the parameters in key-path order: equal runs, equal hosts, equal sums."""
+    digest = hashlib.sha256()
+    for leaf in flat(params).values():
+        digest.update(np.ascontiguousarray(leaf.addressable_data(0) if isinstance(leaf, jax.Array) else leaf).tobytes())
+    return digest.hexdigest()
+
+
+# ---- The run ------------------------------------------------------------------------------
 
 def main(args):
+    caught = catch_stop_signals()
     check_args(args)
-    if args.distributed:
-        jax.distributed.initialize(args.coordinator_address, args.num_processes, args.process_id)
+    start_distributed(args)
     mesh = pick_devices(args)
     num_envs = args.num_envs_per_device * mesh.size
     steps_per_update = num_envs * args.num_steps
@@ -424,37 +613,47 @@ def main(args):
              f"(--num-steps {args.num_steps} x {args.num_envs_per_device} envs x {mesh.size} devices)")
     init = partial(init_learner, args=args, num_envs=num_envs)
     key = jax.random.PRNGKey(args.seed)
+    template = {"learner": jax.eval_shape(init, key), "update": np.int64(0), "global_step": np.int64(0)}
     if args.resume:
-        host_learner, update, global_step = load(args.resume, jax.eval_shape(init, key))
-        learner = place(host_learner, mesh)
+        ckpt = load(args.resume, template, num_updates, "same --num-envs-per-device and device count?")
+    run = open_run(args)
+    if args.resume:
+        learner, update, global_step = place(ckpt["learner"], mesh), int(ckpt["update"]), int(ckpt["global_step"])
     else:
         learner, update, global_step = jax.jit(init, out_shardings=shardings(mesh))(key), 0, 0
 
-    logger = Logger(args)
-    checkpoint = logger.dir / "checkpoint.npz"
-    stop = []  # Ctrl-C: finish the call in flight, write a checkpoint, exit
-    signal.signal(signal.SIGINT, lambda *_: stop.append(True))
-    tic = time.time()  # compiled ahead of time, so SPS never includes compilation
-    train = make_train(args, mesh).lower(learner, np.int32(args.log_every)).compile()
-    print(f"compiled in {time.time() - tic:.1f}s", flush=True)
-    last_saved, row = update, {}
-    while update < num_updates and not stop:
-        n = min(args.log_every, num_updates - update)
-        tic = time.time()
-        learner, stats = train(learner, np.int32(n))
-        stats = Stats(*(float(x.addressable_data(0)) for x in stats))  # sums over n updates; waits
-        update, global_step, seconds = update + n, global_step + n * steps_per_update, time.time() - tic
-        if not np.isfinite(stats.loss):
-            sys.exit(f"error: non-finite loss at update {update}; last good checkpoint: {checkpoint}")
-        row = {"global_step": global_step, "update": update, **summarize(stats, n, args, n * steps_per_update / seconds)}
-        logger.log(row, update, num_updates, num_updates * steps_per_update, (num_updates - update) / n * seconds)
-        if update - last_saved >= args.checkpoint_every:
-            save(checkpoint, learner, update, global_step)
-            last_saved = update
-    save(checkpoint, learner, update, global_step)
-    if stop:
-        print(f"interrupted at update {update}: checkpoint written to {checkpoint}", flush=True)
-        sys.exit(130)
+    def checkpoint():  # every process takes part in gathering the lanes of all hosts; process 0 writes
+        host = multihost_utils.process_allgather(learner, tiled=True)
+        save(run.checkpoint, {"learner": host, "update": np.int64(update), "global_step": np.int64(global_step)})
+
+    try:
+        tic = time.time()  # compiled ahead of time, so SPS never includes compilation
+        train = make_train(args, mesh).lower(learner, np.int32(args.log_every)).compile()
+        print(f"compiled in {time.time() - tic:.1f}s", flush=True)
+        last_saved, row, beat = update, {}, watch_peers(run)
+        while update < num_updates:
+            beat()
+            if signum := stop_signal(caught):
+                checkpoint()
+                stopped(signum, update, run)
+            n = min(args.log_every, num_updates - update)
+            tic = time.time()
+            learner, stats = train(learner, np.int32(n))
+            stats = Stats(*(float(x.addressable_data(0)) for x in stats))  # sums over n updates; waits
+            update, global_step, seconds = update + n, global_step + n * steps_per_update, time.time() - tic
+            check_finite({"td_loss": stats.loss}, update, run)
+            row = {"global_step": global_step, "update": update,
+                   **summarize(stats, n, args, n * steps_per_update / seconds)}
+            log(run, row, update, num_updates, num_updates * steps_per_update, (num_updates - update) / n * seconds)
+            if update - last_saved >= args.checkpoint_every:
+                checkpoint()
+                last_saved = update
+        checkpoint()
+    except jax.errors.JaxRuntimeError as e:
+        if jax.process_count() == 1:
+            raise
+        lost_peer(e, run)
+    close(run)
     row["checksum"] = checksum(learner.params)
     print(f"checksum {row['checksum']}", flush=True)
     return row

@@ -35,6 +35,7 @@ import difflib
 import hashlib
 import importlib
 import json
+import math
 import os
 import queue
 import signal
@@ -52,6 +53,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import tyro
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import envpool
@@ -131,12 +133,6 @@ DEFAULTS = {
 }
 
 
-def fail(flag, value, valid):
-    """Bad input: one line naming the flag, the value and what would be valid; exit status 2."""
-    print(f"error: {flag} {value!r}: {valid}", flush=True)
-    sys.exit(2)
-
-
 # ---------------------------------------------------------------------------------------
 # Environments, stepped on the host (Sebulba's point: any environment the host can run).
 
@@ -171,19 +167,19 @@ def describe_env(env_id, machado):
         try:
             importlib.import_module(module) if module else None
         except ImportError as err:
-            fail("--env-id", env_id, f"cannot import module {module!r} ({err})")
+            fail(f"--env-id {env_id!r}: cannot import module {module!r} ({err})")
         if name not in gym.registry:
             close = difflib.get_close_matches(name, [*envpool.list_all_envs(), *gym.registry], n=3)
-            fail("--env-id", env_id, f"unknown environment; close matches: {', '.join(close) or 'none'}")
+            fail(f"--env-id {env_id!r}: unknown environment; close matches: {', '.join(close) or 'none'}")
         probe = gym.make(name)  # gymnasium's spaces need an instance
         obs_space, act_space, source, atari = probe.observation_space, probe.action_space, "gymnasium", False
         probe.close()
     if machado and not atari:
-        fail("--machado", True, f"only Atari ids take it, not {env_id}")
+        fail(f"--machado applies to Atari ids only, not {env_id!r}")
     if not isinstance(act_space, gym.spaces.Discrete):
-        fail("--env-id", env_id, f"needs a discrete action space, not {act_space}")
+        fail(f"--env-id {env_id!r} needs a discrete action space, not {act_space}")
     if not isinstance(obs_space, gym.spaces.Box) or len(obs_space.shape) not in (1, 3):
-        fail("--env-id", env_id, f"needs a vector or image observation space, not {obs_space}")
+        fail(f"--env-id {env_id!r} needs a vector or image observation space, not {obs_space}")
     shape = obs_space.shape
     if source == "gymnasium" and len(shape) == 3:  # gymnasium images are [H, W, C]
         shape = (shape[2], shape[0], shape[1])
@@ -570,13 +566,13 @@ def device_layout(args):
     learner_ids = args.learner_device_ids
     if learner_ids is None:
         learner_ids = [0] if n == 1 else [i for i in range(n) if i not in actor_ids]
-    for flag, ids in (("--actor-device-ids", actor_ids), ("--learner-device-ids", learner_ids)):
+    for flag_name, ids in (("--actor-device-ids", actor_ids), ("--learner-device-ids", learner_ids)):
         if not ids or len(set(ids)) != len(ids) or not all(0 <= i < n for i in ids):
-            fail(flag, ids, f"distinct indices of the {n} local devices, 0..{n - 1}")
+            fail(f"{flag_name} {ids}: give distinct indices of the {n} local devices, 0..{n - 1}")
     if n > 1 and set(actor_ids) & set(learner_ids):
-        fail("--learner-device-ids", learner_ids, f"must not reuse actor devices {actor_ids} when {n} devices exist")
+        fail(f"--learner-device-ids {learner_ids} must not reuse actor devices {actor_ids} when {n} devices exist")
     if args.local_num_envs % len(learner_ids):
-        fail("--local-num-envs", args.local_num_envs, f"a multiple of the {len(learner_ids)} learner devices")
+        fail(f"--local-num-envs {args.local_num_envs} must be a multiple of the {len(learner_ids)} learner devices")
     hosts = [sorted((d for d in jax.devices() if d.process_index == p), key=lambda d: d.id)
              for p in range(jax.process_count())]
     mesh = Mesh(np.array([host[i] for host in hosts for i in learner_ids]), ("devices",))
@@ -597,80 +593,72 @@ def to_learner_batch(payloads, sharding):
     return jax.tree.map(global_array, *per_device)
 
 
-def learner_loop(args, learn, progress, queues, store, stop, sharding, writer, save, num_updates, steps_per_update):
-    """The learner (main thread): one update per set of rollouts, new params to the actors."""
-    window, row, since, first = defaultdict(list), {}, time.time(), progress["update"] + 1
-    for update in range(first, num_updates + 1):
+class Loop(NamedTuple):
+    """What the learner loop works with besides its state."""
+    learn: object  # the jitted update
+    queues: list  # one bounded queue per local actor thread
+    store: ParamStore
+    stop: threading.Event  # set by a failing thread, and at the end
+    sharding: NamedSharding  # of a global batch: envs split over the mesh
+    caught: list  # stop signals caught (catch_stop_signals)
+    run: object  # the run folder's Run
+    steps_per_update: int
+
+
+def checkpoint(run, state, update, key, steps_per_update):  # the learner state, the count, the run's RNG key
+    save(run.checkpoint, {"state": jax.device_get(jax.tree.map(local, state)), "update": np.int64(update),
+                          "global_step": np.int64(update * steps_per_update), "key": jax.random.key_data(key)})
+
+
+def learner_loop(args, loop, state, key, start_update, num_updates):
+    """The learner (main thread): one update per set of rollouts, new params to the actors. Returns
+    the state, the updates done, the last metrics row and the stop signal (0: none)."""
+    window, row, since, per_update = defaultdict(list), {}, time.time(), loop.steps_per_update
+    beat = watch_peers(loop.run)
+    for update in range(start_update + 1, num_updates + 1):
+        beat()
+        if signum := stop_signal(loop.caught):
+            return state, update - 1, row, signum
         start = time.perf_counter()
-        payloads = [until_stopped(q.get, stop) for q in queues]
+        payloads = [until_stopped(q.get, loop.stop) for q in loop.queues]
         waited = time.perf_counter() - start
-        state, info = learn(progress["state"], to_learner_batch(payloads, sharding))
+        state, info = loop.learn(state, to_learner_batch(payloads, loop.sharding))
         info = LossInfo(*(float(local(x)) for x in info))  # waits for the update
-        if not np.isfinite(info.loss):
-            raise FloatingPointError(f"non-finite loss {info.loss} at update {update}; the last checkpoint is kept")
-        progress.update(state=state, update=update)
-        store.publish(state.params, update)
+        check_finite(info._asdict(), update, loop.run)
+        loop.store.publish(state.params, update)
         record(window, payloads, info, update, {"stats/learner_queue_wait": waited,
                                                 "stats/learner_time": time.perf_counter() - start - waited})
         # Also log the run's first update: on a CPU an Atari update takes a while, so show life early.
-        if update % args.log_every == 0 or update in (first, num_updates):
+        if update % args.log_every == 0 or update in (start_update + 1, num_updates):
             lr = args.learning_rate * (1 - (update - 1) / num_updates if args.anneal_lr else 1.0)
-            row = {"global_step": update * steps_per_update, "charts/learning_rate": lr,
-                   "charts/SPS": len(window["losses/loss"]) * steps_per_update / (time.time() - since),
+            seconds = (time.time() - since) / len(window["losses/loss"])
+            row = {"global_step": update * per_update, "update": update, "charts/learning_rate": lr,
+                   "charts/SPS": per_update / seconds,
                    **{name: float(np.max(v) if name == "stats/param_lag" else np.mean(v))
                       for name, v in window.items() if len(v)}}
-            per_update = (time.time() - since) / len(window["losses/loss"])
-            write_row(row, writer, update, num_updates, args.total_timesteps, per_update)
+            log(loop.run, row, update, num_updates, num_updates * per_update, (num_updates - update) * seconds)
             window, since = defaultdict(list), time.time()
-        if writer is not None and args.checkpoint_every and update % args.checkpoint_every == 0:
-            save()
-    return row
+        if update % args.checkpoint_every == 0:
+            checkpoint(loop.run, state, update, key, per_update)
+    return state, num_updates, row, 0
 
 
 # ---------------------------------------------------------------------------------------
-# Plumbing: arguments, checkpoints, logging.
+# This script's flag checks and metrics.
 
 
-def resolve_args(args):
-    """Fill the per-family defaults and check the counts; exits with status 2 on bad input."""
+def check_args(args):
+    """Fill the per-family defaults and check every flag; returns the args and the env's EnvInfo."""
     env = describe_env(args.env_id, args.machado)
     family = DEFAULTS["image" if len(env.obs_shape) == 3 else "vector"]
     args = dataclasses.replace(args, **{k: v for k, v in family.items() if getattr(args, k) is None})
-    for flag in ("local_num_envs", "num_steps", "num_actor_threads", "log_every"):
-        if getattr(args, flag) < 1:
-            fail(f"--{flag.replace('_', '-')}", getattr(args, flag), "a positive integer")
-    if args.checkpoint_every < 0:
-        fail("--checkpoint-every", args.checkpoint_every, "0 (only at the end) or a positive integer")
+    check_flags(args, counts=("total_timesteps", "local_num_envs", "num_steps", "num_actor_threads", "log_every",
+                              "checkpoint_every"),
+                unit=("gamma", "vtrace_lambda"), positive=("learning_rate", "rmsprop_eps"),
+                nonnegative=("ent_coef", "vf_coef", "max_grad_norm"))
     if args.network == "shallow" and (len(env.obs_shape) != 3 or min(env.obs_shape[1:]) < 20):
-        fail("--network", args.network, f"images of at least 20x20 only, not observations of shape {env.obs_shape}")
-    if args.resume is not None and not Path(args.resume).is_file():
-        fail("--resume", args.resume, "the path of an existing checkpoint.npz")
+        fail(f"--network shallow takes images of at least 20x20, not observations of shape {env.obs_shape}")
     return args, env
-
-
-def tree_arrays(tree):  # {key path: host array}, the checkpoint's naming
-    flat, _ = jax.tree_util.tree_flatten_with_path(tree)
-    return {jax.tree_util.keystr(p, simple=True, separator="/"): np.asarray(local(x)) for p, x in flat}
-
-
-def load_checkpoint(path, template):
-    """Arrays of `path` in the structure of `template` (names and shapes checked)."""
-    flat, treedef = jax.tree_util.tree_flatten_with_path(template)
-    with np.load(path, allow_pickle=False) as data:
-        leaves = []
-        for p, like in flat:
-            name = jax.tree_util.keystr(p, simple=True, separator="/")
-            if name not in data or data[name].shape != like.shape:
-                fail("--resume", str(path), f"does not match this run's network/optimizer (at {name})")
-            leaves.append(data[name].astype(like.dtype))
-    return jax.tree_util.tree_unflatten(treedef, leaves)
-
-
-def abort(code):
-    """Exit now. Threads may sit inside envpool or XLA; a normal interpreter shutdown could
-    wait on them or race their teardown, so a failed or interrupted run ends with os._exit."""
-    sys.stdout.flush(), sys.stderr.flush()
-    os._exit(code)
 
 
 def record(window, payloads, info, update, learner_stats):
@@ -686,33 +674,288 @@ def record(window, payloads, info, update, learner_stats):
             window[name].append(value)
 
 
-def write_row(row, writer, update, num_updates, total, per_update):
-    """metrics.jsonl, TensorBoard and the progress line (process 0 only)."""
-    if writer is None:
+# ---- Plumbing: the same text in all four scripts (tests/test_plumbing.py keeps it so) ----
+# Not the algorithm: flag checks, joining a multi-host run, the run folder, stop signals,
+# checkpoints, metrics rows and the progress line. Read once, skip in the other files; what
+# differs between the scripts comes in as arguments.
+
+def fail(message):
+    """Bad input: one line on stderr and exit status 2, before anything is compiled."""
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+def flag(name):
+    return "--" + name.replace("_", "-")
+
+
+def check_flags(args, counts=(), unit=(), positive=(), nonnegative=()):
+    """Counts at least 1; floats finite and in range (`unit`: [0, 1], `positive`: > 0,
+    `nonnegative`: >= 0); a --resume file that exists."""
+    for name in counts:
+        if getattr(args, name) < 1:
+            fail(f"{flag(name)} {getattr(args, name)} must be at least 1")
+    for names, ok, valid in ((unit, lambda x: 0 <= x <= 1, "in [0, 1]"), (positive, lambda x: x > 0, "above 0"),
+                             (nonnegative, lambda x: x >= 0, "at least 0")):
+        for name in names:
+            value = getattr(args, name)
+            if not (math.isfinite(value) and ok(value)):
+                fail(f"{flag(name)} {value} must be a finite number {valid}")
+    if args.resume is not None and not Path(args.resume).is_file():
+        fail(f"--resume {args.resume!r}: no such checkpoint file")
+
+
+def check_seed(seed, limit):
+    """Seeds in [0, limit) each give their own random numbers: JAX keeps a seed's low 32 bits
+    (limit 2**32), envpool takes int32 seeds (Sebulba: the seed plus each env's index < 2**31)."""
+    if not 0 <= seed < limit:
+        fail(f"--seed {seed} must be in 0..{limit - 1:,}: other seeds repeat these seeds' random numbers "
+             "or are refused by the environments")
+
+
+def start_distributed(args):
+    """Join a multi-host run (jax.distributed) if --distributed is given. A dead peer ends the
+    others within two minutes (`lost_peer`, `watch_peers`)."""
+    given = [flag(name) for name in ("coordinator_address", "num_processes", "process_id")
+             if getattr(args, name) is not None]
+    if not args.distributed:
+        if given:
+            fail(f"{', '.join(given)} only apply to a multi-host run: add --distributed")
         return
-    for name, value in row.items():
-        if name != "global_step":
-            writer.add_scalar(name, value, row["global_step"])
-    with open(Path(writer.logdir) / "metrics.jsonl", "a") as f:
+    if args.num_processes is not None and args.num_processes < 1:
+        fail(f"--num-processes {args.num_processes} must be at least 1")
+    if None not in (args.num_processes, args.process_id) and not 0 <= args.process_id < args.num_processes:
+        fail(f"--process-id {args.process_id} must be in 0..{args.num_processes - 1} (--num-processes "
+             f"{args.num_processes})")
+    # JAX's preemption service would take SIGTERM from `catch_stop_signals`; `stop_signal` does its job.
+    jax.config.update("jax_enable_preemption_service", False)
+    try:
+        # JAX's heartbeat (150 s here) only ends the run if `watch_peers` (at most 120 s) has not.
+        jax.distributed.initialize(args.coordinator_address, args.num_processes, args.process_id,
+                                   heartbeat_timeout_seconds=150)
+    except (ValueError, TypeError, RuntimeError) as e:
+        fail(f"--distributed: {str(e).splitlines()[0]} (outside a cluster JAX detects (SLURM, Cloud TPU, "
+             "Kubernetes), give --coordinator-address, --num-processes and --process-id)")
+
+
+def check_fits(num_bytes, what):
+    """Refuse, up front, buffers that cannot fit in this host's memory."""
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if num_bytes > memory:
+        fail(f"{what} would need {num_bytes / 2**30:,.1f} GiB, more than this host's {memory / 2**30:,.1f} GiB")
+
+
+class Run(NamedTuple):
+    folder: Path | None  # process 0 only: the other processes write nothing
+    writer: SummaryWriter | None
+    checkpoint: Path | None
+
+
+def open_run(args):
+    """{run-dir}/{env}__{exp-name}__{seed}__{unix time}, flat for namespaced ids. A run only writes into
+    a folder it created: a second run started in the same second gets the suffix _1, _2, ..."""
+    if jax.process_index() != 0:
+        return Run(None, None, None)
+    base = f"{args.env_id.replace(':', '_').replace('/', '_')}__{args.exp_name}__{args.seed}__{int(time.time())}"
+    folder, n = Path(args.run_dir) / base, 0
+    while True:
+        try:
+            folder.mkdir(parents=True)
+            break
+        except FileExistsError:
+            n += 1
+            folder = Path(args.run_dir) / f"{base}_{n}"
+        except OSError as e:
+            fail(f"--run-dir {args.run_dir!r}: cannot make a run folder in it ({e.strerror})")
+    (folder / "args.json").write_text(json.dumps(dataclasses.asdict(args), indent=2))
+    return Run(folder, SummaryWriter(str(folder)), folder / "checkpoint.npz")
+
+
+def catch_stop_signals():
+    """Ctrl-C (SIGINT) and SIGTERM (what SLURM and Kubernetes send before a kill) only note the
+    signal: the run stops at its next safe point, writes a checkpoint and exits 128 + the signal's
+    number (130, 143). Raising inside JAX or envpool could hang. A second signal exits at once."""
+    caught = []
+
+    def note(signum, _):
+        if caught:
+            os._exit(128 + signum)
+        caught.append(signum)
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, note)
+    return caught
+
+
+def stop_signal(caught):
+    """0 to go on, else the signal to stop for; the same on every process of a multi-host run (the
+    largest caught anywhere), so that every process stops after the same update."""
+    mine = caught[0] if caught else 0
+    if jax.process_count() == 1:
+        return mine
+    return int(np.max(multihost_utils.process_allgather(np.int32(mine))))
+
+
+def flat(tree):
+    """{key path: leaf}: the names of a checkpoint's arrays."""
+    return {jax.tree_util.keystr(path, simple=True, separator="/"): leaf
+            for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def save(path, tree):
+    """Write host arrays to `path` (None: not process 0) through a temporary file moved into place,
+    so a crash or a kill never leaves a torn checkpoint."""
+    if path is None:
+        return
+    tmp = path.with_name("checkpoint.tmp.npz")
+    np.savez(tmp, **flat(tree))
+    os.replace(tmp, path)
+
+
+def load(path, template, num_updates, hint):
+    """The checkpoint at `path` as host arrays shaped like `template` (a dict with an "update" count).
+    Unreadable files, other runs' checkpoints (`hint`: which flags must match) and runs already at
+    this run's last update are one error line."""
+    try:
+        with np.load(path, allow_pickle=False) as f:
+            arrays = dict(f)
+    except Exception as e:  # empty, truncated, random bytes, pickled
+        fail(f"--resume {path!r} is not a readable checkpoint ({type(e).__name__}: {str(e).splitlines()[0]})")
+    names = flat(template)
+    for name, like in names.items():
+        got = arrays.get(name)
+        if got is None or got.shape != like.shape or got.dtype != like.dtype:
+            found = "missing" if got is None else f"{got.dtype}{list(got.shape)}"
+            fail(f"--resume {path!r} does not match this run: {name} is {found}, expected "
+                 f"{like.dtype}{list(like.shape)} ({hint})")
+    tree = jax.tree.unflatten(jax.tree.structure(template), [arrays[name] for name in names])
+    if tree["update"] >= num_updates:
+        fail(f"--resume {path!r} is at update {int(tree['update'])}, the end of a {num_updates}-update run: "
+             "raise --total-timesteps to go on")
+    return tree
+
+
+def on_disk(run):
+    """What a stopping run leaves behind, said exactly."""
+    if run.folder is None:
+        return "process 0 writes this run's checkpoints"
+    if not run.checkpoint.is_file():
+        return f"no checkpoint was written yet ({run.folder} holds args.json and the metrics)"
+    with np.load(run.checkpoint) as f:
+        return f"the checkpoint {run.checkpoint} holds update {int(f['update'])}: go on with --resume {run.checkpoint}"
+
+
+def close(run):
+    if run.writer is not None:
+        run.writer.close()
+
+
+def exit_now(code, run):
+    """Close the logs and end the process without the interpreter's shutdown, which could wait on a
+    thread inside envpool or XLA, or on a dead peer (jax.distributed's shutdown barrier)."""
+    close(run)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def stopped(signum, update, run):
+    print(f"stopped by {signal.Signals(signum).name} after update {update}: {on_disk(run)}", flush=True)
+    exit_now(128 + signum, run)
+
+
+def check_finite(losses, update, run):
+    """Stop the run (exit status 1) at a NaN or infinite loss, saying which checkpoint is on disk."""
+    bad = {name: value for name, value in losses.items() if not math.isfinite(value)}
+    if bad:
+        print(f"error: non-finite loss at update {update} ({bad}); {on_disk(run)}", file=sys.stderr, flush=True)
+        exit_now(1, run)
+
+
+def lost_peer(error, run):
+    """Multi-host: a collective failed, nearly always because another process died. One line, then exit:
+    a normal exit would wait for the dead peer at jax.distributed's shutdown and abort 100 s later."""
+    print(f"error: lost contact with another process of this {jax.process_count()}-process run "
+          f"({str(error).splitlines()[0]}); {on_disk(run)} on every process", file=sys.stderr,
+          flush=True)
+    exit_now(1, run)
+
+
+def watch_peers(run):
+    """Multi-host: a collective whose peer died often fails at once (`lost_peer`), but it can also
+    block until JAX's heartbeat aborts the process with a C++ stack. From the end of the first log
+    interval on, a thread ends the run with one line when `beat` (called at each safe point) goes
+    quiet for 3 times the longest interval so far, at least 60 s and at most 120 s."""
+    beats = [0, time.monotonic(), 0.0]  # calls so far, time of the last one, longest interval
+
+    def beat():
+        now = time.monotonic()
+        longest = max(beats[2], now - beats[1]) if beats[0] >= 1 else 0.0
+        beats[:] = [beats[0] + 1, now, longest]
+
+    def limit():
+        return min(120.0, max(60.0, 3 * beats[2]))
+
+    def watch():
+        while beats[0] < 2 or time.monotonic() - beats[1] < limit():
+            time.sleep(1)
+        print(f"error: no progress for {limit():.0f} s in this {jax.process_count()}-process run: another process "
+              f"has probably died; {on_disk(run)} on every process", file=sys.stderr, flush=True)
+        exit_now(1, run)
+
+    if jax.process_count() > 1:
+        threading.Thread(target=watch, daemon=True).start()
+    return beat
+
+
+def duration(seconds):
+    minutes, seconds = divmod(int(seconds), 60)
+    return f"{minutes // 60}h{minutes % 60:02d}m" if minutes >= 60 else f"{minutes}m{seconds:02d}s"
+
+
+def log(run, row, update, num_updates, total_steps, eta):
+    """A metrics row (CleanRL's names) to metrics.jsonl and TensorBoard, and the progress line; process 0."""
+    if run.folder is None:
+        return
+    with open(run.folder / "metrics.jsonl", "a") as f:
         f.write(json.dumps(row) + "\n")
+    for name, value in row.items():
+        if "/" in name:
+            run.writer.add_scalar(name, value, row["global_step"])
     step, ret = row["global_step"], row.get("charts/episodic_return")
-    minutes, seconds = divmod(int((num_updates - update) * per_update), 60)
-    eta = f"{minutes // 60}h{minutes % 60:02d}m" if minutes >= 60 else f"{minutes}m{seconds:02d}s"
-    print(f"update {update}/{num_updates} | step {step:,}/{total:,} ({step / total:.0%}) | "
-          f"SPS {row['charts/SPS']:,.0f} | return {'-' if ret is None else f'{ret:.1f}'} | ETA {eta}", flush=True)
+    print(f"update {update}/{num_updates} | step {step:,}/{total_steps:,} ({step / total_steps:.0%}) | "
+          f"SPS {row['charts/SPS']:,.0f} | return {'-' if ret is None else f'{ret:.2f}'} | ETA {duration(eta)}",
+          flush=True)
+
+
+def checksum(params):
+    """sha256 of this host's copy of the parameters in key-path order: equal runs, equal hosts, equal sums."""
+    digest = hashlib.sha256()
+    for leaf in flat(params).values():
+        digest.update(np.ascontiguousarray(leaf.addressable_data(0) if isinstance(leaf, jax.Array) else leaf).tobytes())
+    return digest.hexdigest()
+
+
+# ---------------------------------------------------------------------------------------
+# The run.
 
 
 def main(args: Args) -> dict:
-    args, env = resolve_args(args)
-    if args.distributed:
-        jax.distributed.initialize(args.coordinator_address, args.num_processes, args.process_id)
+    caught = catch_stop_signals()
+    args, env = check_args(args)
+    start_distributed(args)
     layout = device_layout(args)
     pid, hosts = jax.process_index(), jax.process_count()
     threads_per_host = len(layout.actor_devices) * args.num_actor_threads
+    check_seed(args.seed, 2**31 - threads_per_host * hosts * args.local_num_envs + 1)  # env i: seed + i
+    # Each actor thread holds a rollout it collects, one in its queue and one being learned from.
+    obs_bytes = np.prod(env.obs_shape) * (1 if env.atari else 4)
+    check_fits(3 * threads_per_host * (args.num_steps + 1) * args.local_num_envs * obs_bytes,
+               f"the rollouts of {threads_per_host} actor threads x --local-num-envs {args.local_num_envs}")
     steps_per_update = args.num_steps * args.local_num_envs * threads_per_host * hosts
     num_updates = args.total_timesteps // steps_per_update
     if num_updates < 1:
-        fail("--total-timesteps", args.total_timesteps, f"at least one update: {steps_per_update:,} steps")
+        fail(f"--total-timesteps {args.total_timesteps:,} is less than one update: {steps_per_update:,} steps")
 
     # The learner's state, replicated over the mesh (every host builds the same one from the seed).
     optimizer = make_optimizer(args, num_updates)
@@ -724,26 +967,16 @@ def main(args: Args) -> dict:
 
     start_update = 0
     if args.resume:  # checked against this run's shapes before anything compiles
-        like = {"state": jax.eval_shape(build), "update": np.int64(0), "key": jax.random.key_data(key)}
-        ckpt = load_checkpoint(args.resume, like)
+        template = {"state": jax.eval_shape(build), "update": np.int64(0), "global_step": np.int64(0),
+                    "key": jax.random.key_data(key)}
+        ckpt = load(args.resume, template, num_updates, "same --env-id and --network?")
         host_state, start_update, key = ckpt["state"], int(ckpt["update"]), jax.random.wrap_key_data(ckpt["key"])
-        if start_update >= num_updates:
-            fail("--total-timesteps", args.total_timesteps,
-                 f"more than the checkpoint's {start_update * steps_per_update:,} steps")
     else:
         host_state = jax.device_get(build())
+    run = open_run(args)
     replicated = NamedSharding(layout.mesh, P())
     state = jax.tree.map(lambda x: jax.make_array_from_callback(np.shape(x), replicated, lambda i: np.asarray(x)[i]),
                          host_state)
-    learn = make_learner(args, layout.mesh, optimizer)
-    batch_sharding = NamedSharding(layout.mesh, P(None, "devices"))
-
-    run_dir = Path(args.run_dir) / f"{args.env_id.replace(':', '_').replace('/', '_')}__{args.exp_name}__{args.seed}__{int(time.time())}"
-    writer = None
-    if pid == 0:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "args.json").write_text(json.dumps(dataclasses.asdict(args), indent=2))
-        writer = SummaryWriter(str(run_dir))
 
     # Actor threads: each has its envs, a bounded queue to the learner and a seed of its own.
     store, stop, errors = ParamStore(layout.actor_devices), threading.Event(), []
@@ -759,43 +992,30 @@ def main(args: Args) -> dict:
                                         name=f"actor{t}", daemon=True))
         threads[-1].start()
 
-    progress = {"state": state, "update": start_update}
-    ckpt_path = run_dir / "checkpoint.npz"
-
-    def save():  # the learner state, the update count and the run's RNG key
-        tmp = ckpt_path.with_name("checkpoint.tmp.npz")
-        np.savez(tmp, **tree_arrays({"state": progress["state"], "update": np.int64(progress["update"]),
-                                     "key": jax.random.key_data(key)}))
-        os.replace(tmp, ckpt_path)  # never a torn checkpoint
-
-    # Ctrl-C only sets flags: a KeyboardInterrupt raised inside JAX or envpool could leave a
-    # lock held and hang the checkpoint. Every thread stops at its next queue wait instead.
-    interrupted = threading.Event()
-    signal.signal(signal.SIGINT, lambda *_: (interrupted.set(), stop.set()))
+    loop = Loop(make_learner(args, layout.mesh, optimizer), queues, store, stop,
+                NamedSharding(layout.mesh, P(None, "devices")), caught, run, steps_per_update)
     try:
-        row = learner_loop(args, learn, progress, queues, store, stop, batch_sharding, writer, save, num_updates,
-                           steps_per_update)
-    except BaseException:
+        state, update, row, signum = learner_loop(args, loop, state, key, start_update, num_updates)
+    except jax.errors.JaxRuntimeError as e:
+        if hosts == 1:
+            raise
+        lost_peer(e, run)
+    except BaseException:  # a failed actor thread (Stopped) or the learner itself
         stop.set()
-        if not interrupted.is_set():
-            for thread in threads:
-                thread.join(timeout=5)
-            print("".join(errors) or traceback.format_exc(), file=sys.stderr, flush=True)
-            abort(1)
-    if interrupted.is_set():
-        if pid == 0:
-            save()
-            writer.close()
-        print(f"interrupted at update {progress['update']}: checkpoint written to {ckpt_path}", flush=True)
-        abort(130)
+        for thread in threads:
+            thread.join(timeout=5)
+        print("".join(errors) or traceback.format_exc(), file=sys.stderr, flush=True)
+        exit_now(1, run)
+    stop.set()
     for thread in threads:
         thread.join(timeout=30)
-    if pid == 0:
-        save()
-        writer.close()
-    digest = hashlib.sha256(b"".join(x.tobytes() for x in tree_arrays(progress["state"].params).values()))
-    print(f"checksum {digest.hexdigest()}", flush=True)
-    return {**row, "run_dir": str(run_dir)}
+    checkpoint(run, state, update, key, steps_per_update)
+    if signum:
+        stopped(signum, update, run)
+    close(run)
+    row["checksum"] = checksum(state.params)
+    print(f"checksum {row['checksum']}", flush=True)
+    return {**row, "run_dir": str(run.folder)}
 
 
 if __name__ == "__main__":

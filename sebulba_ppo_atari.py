@@ -25,9 +25,11 @@ Examples:
     python sebulba_ppo_atari.py --resume runs/Breakout-v5__sebulba_ppo_atari__1__1700000000/checkpoint.npz
 """
 
+import dataclasses
 import difflib
 import hashlib
 import json
+import math
 import os
 import queue
 import signal
@@ -35,7 +37,7 @@ import sys
 import threading
 import time
 import traceback
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import NamedTuple
@@ -45,6 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import tyro
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from tensorboardX import SummaryWriter
 
@@ -506,12 +509,7 @@ def to_actors(params, layout):
     return {d: jax.device_put(local(params), d) for d in layout.actor_devices}
 
 
-# ---- Plumbing: input checks, devices, checkpoints, logging -------------------------------
-
-def fail(message):
-    print(f"error: {message}", file=sys.stderr)
-    sys.exit(2)
-
+# ---- This script's flags, devices and learner loop ---------------------------------------
 
 def check_args(args):
     """Flag checks that need no device; returns the number of actions."""
@@ -524,15 +522,10 @@ def check_args(args):
         close = difflib.get_close_matches(args.env_id, atari, n=3, cutoff=0.5)
         fail(f"--env-id {args.env_id!r} is not an envpool Atari id"
              + (f"; did you mean {', '.join(map(repr, close))}?" if close else "; e.g. 'Breakout-v5', 'Pong-v5'"))
-    for flag in ("total_timesteps", "num_actor_threads", "local_num_envs", "num_steps", "num_minibatches",
-                 "update_epochs", "log_every", "checkpoint_every"):
-        if getattr(args, flag) < 1:
-            fail(f"--{flag.replace('_', '-')} {getattr(args, flag)} must be at least 1")
-    for flag in ("gamma", "gae_lambda"):
-        if not 0 <= getattr(args, flag) <= 1:
-            fail(f"--{flag.replace('_', '-')} {getattr(args, flag)} must be in [0, 1]")
-    if args.resume and not Path(args.resume).is_file():
-        fail(f"--resume {args.resume!r}: no such checkpoint file")
+    check_flags(args, counts=("total_timesteps", "num_actor_threads", "local_num_envs", "num_steps", "num_minibatches",
+                              "update_epochs", "log_every", "checkpoint_every"),
+                unit=("gamma", "gae_lambda"), positive=("learning_rate",),
+                nonnegative=("clip_coef", "ent_coef", "vf_coef", "max_grad_norm"))
     return envpool.make_spec(args.env_id, **atari_kwargs(args.machado)).action_space.n
 
 
@@ -540,9 +533,9 @@ def pick_devices(args):
     n = len(jax.local_devices())
     actors = args.actor_device_ids or [0]
     learners = args.learner_device_ids or ([i for i in range(n) if i not in actors] or [0])
-    for flag, ids in (("--actor-device-ids", actors), ("--learner-device-ids", learners)):
+    for flag_name, ids in (("--actor-device-ids", actors), ("--learner-device-ids", learners)):
         if not all(0 <= i < n for i in ids) or len(set(ids)) < len(ids):
-            fail(f"{flag} {' '.join(map(str, ids))}: give distinct indices in 0..{n - 1} (this host has {n} devices)")
+            fail(f"{flag_name} {' '.join(map(str, ids))}: give distinct indices in 0..{n - 1} (this host has {n} devices)")
     if n > 1 and set(actors) & set(learners):
         fail(f"--actor-device-ids {actors} and --learner-device-ids {learners} share a device; with {n} "
              "devices give each role its own")
@@ -554,10 +547,15 @@ def pick_devices(args):
 
 
 def check_sizes(args, layout):
-    """Counts that must divide; returns the number of updates."""
+    """Counts that must divide or fit; returns the number of updates."""
     n_learners = len(layout.learner_devices)
     if args.local_num_envs % n_learners:
         fail(f"--local-num-envs {args.local_num_envs} must divide evenly across {n_learners} learner devices")
+    check_seed(args.seed, 2**31 - layout.num_envs + 1)  # env i of the run is seeded with seed + i
+    # Each actor thread holds a rollout it collects, one in its queue and one being learned from.
+    threads = len(layout.actor_devices) * args.num_actor_threads
+    check_fits(3 * threads * (args.num_steps + 1) * args.local_num_envs * 4 * 84 * 84,
+               f"the rollouts of {threads} actor threads x --local-num-envs {args.local_num_envs}")
     batch = args.num_steps * layout.num_envs
     if (batch // layout.mesh.size) % args.num_minibatches:
         fail(f"--num-minibatches {args.num_minibatches} must divide the {batch // layout.mesh.size} samples "
@@ -568,56 +566,15 @@ def check_sizes(args, layout):
     return args.total_timesteps // batch
 
 
-def flat(tree):
-    return {jax.tree_util.keystr(path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
-
-
-def save(path, state, update, global_step):
-    arrays = {**flat(jax.device_get(local(state))), "update": np.asarray(update), "global_step": np.asarray(global_step)}
-    tmp = Path(path).with_suffix(".tmp.npz")
-    np.savez(tmp, **arrays)
-    os.replace(tmp, path)  # a crash never leaves a torn checkpoint
-
-
-def load(path, template):
-    """A host TrainState and its update counter from a checkpoint, checked against `template`."""
-    try:
-        with np.load(path, allow_pickle=False) as f:
-            arrays = dict(f)
-    except Exception as e:
-        fail(f"--resume {path!r} is not a readable checkpoint ({type(e).__name__}: {e})")
-    expected = flat(template)
-    for name, spec in expected.items():
-        got = arrays.get(name)
-        if got is None or got.shape != spec.shape or got.dtype != spec.dtype:
-            found = "missing" if got is None else f"{got.dtype}{list(got.shape)}"
-            fail(f"--resume {path!r} does not match this run: {name} is {found}, expected "
-                 f"{spec.dtype}{list(spec.shape)} (same --env-id?)")
-    state = jax.tree.unflatten(jax.tree.structure(template), [arrays[name] for name in expected])
-    return state, int(arrays["update"])
-
-
-def run_folder(args):
-    """{run-dir}/{env}__{exp-name}__{seed}__{time}: one flat folder, also for namespaced env ids."""
-    env = args.env_id.replace(":", "_").replace("/", "_")
-    return Path(args.run_dir) / f"{env}__{args.exp_name}__{args.seed}__{int(time.time())}"
-
-
-def get(q, stop, interrupted):
-    """The next item of an actor thread's queue; None on Ctrl-C; raises if an actor failed."""
-    while not interrupted.is_set():
+def get(q, stop):
+    """The next item of an actor thread's queue; raises if an actor failed."""
+    while True:
         if stop.is_set():
             raise RuntimeError("an actor thread failed (its traceback is above); stopping the run")
         try:
             return q.get(timeout=0.5)
         except queue.Empty:
             continue
-    return None
-
-
-def duration(seconds):
-    m, s = divmod(int(seconds), 60)
-    return f"{m // 60}h{m % 60:02d}m" if m >= 60 else f"{m}m{s:02d}s"
 
 
 class Loop(NamedTuple):
@@ -627,9 +584,14 @@ class Loop(NamedTuple):
     queues: list  # one bounded queue per local actor thread
     store: ParamStore
     stop: threading.Event  # set by a failing actor thread, and at the end
-    interrupted: threading.Event  # set by Ctrl-C
-    writer: SummaryWriter | None  # process 0 only
-    run_path: Path | None
+    caught: list  # stop signals caught (catch_stop_signals)
+    run: object  # the run folder's Run
+
+
+def checkpoint(run, state, update, layout, args):
+    host = jax.device_get(local(state))
+    save(run.checkpoint, {"state": host, "update": np.int64(update),
+                          "global_step": np.int64(update * args.num_steps * layout.num_envs)})
 
 
 def report(args, loop, window, metrics, update, num_updates, eta):
@@ -646,44 +608,36 @@ def report(args, loop, window, metrics, update, num_updates, eta):
     if returns:
         row["charts/episodic_return"] = mean(returns)
         row["charts/episodic_length"] = mean([n for s in stats for n in s.lengths])
-    ret = f"{row['charts/episodic_return']:.1f}" if returns else "-"
-    print(f"update {update}/{num_updates} | step {update * batch:,}/{num_updates * batch:,} "
-          f"({update / num_updates:.0%}) | SPS {sps:,.0f} | return {ret} | ETA {duration(eta)}", flush=True)
-    if loop.writer is not None:
-        for k, v in ((k, v) for k, v in row.items() if k != "global_step"):
-            loop.writer.add_scalar(k, v, update * batch)
-        with open(loop.run_path / "metrics.jsonl", "a") as f:
-            f.write(json.dumps(row) + "\n")
+    log(loop.run, row, update, num_updates, num_updates * batch, eta)
     return row
 
 
 def learn(args, loop, state, start_update, num_updates):
     """The learner loop (main thread): update u turns rollout u into parameters version u. Returns the
-    state, the number of updates done (fewer after Ctrl-C) and the last metrics row."""
+    state, the number of updates done, the last metrics row and the stop signal (0: none)."""
     new_window = lambda: {"start": time.perf_counter(), "actors": [], "learner_queue_wait": [], "learner_time": []}
-    row, window, t_start = {}, new_window(), time.perf_counter()
+    row, window, t_start, beat = {}, new_window(), time.perf_counter(), watch_peers(loop.run)
     for update in range(start_update + 1, num_updates + 1):
+        beat()
+        if signum := stop_signal(loop.caught):
+            return state, update - 1, row, signum
         start = time.perf_counter()
-        items = [get(q, loop.stop, loop.interrupted) for q in loop.queues]
-        if any(item is None for item in items):
-            return state, update - 1, row
+        items = [get(q, loop.stop) for q in loop.queues]
         window["learner_queue_wait"].append(time.perf_counter() - start)
         start = time.perf_counter()
         state, metrics = loop.update_fn(state, assemble([parts for parts, _ in items], loop.layout))
         loop.store.publish(update, to_actors(state.params, loop.layout))
         metrics = jax.device_get(local(metrics))
         window["learner_time"].append(time.perf_counter() - start)
-        if not all(np.isfinite(metrics)):
-            raise FloatingPointError(f"non-finite loss at update {update} ({metrics}); "
-                                     "the last good checkpoint is left in place")
+        check_finite({k: float(v) for k, v in metrics._asdict().items()}, update, loop.run)
         window["actors"] += [stats for _, stats in items]
         if update % args.log_every == 0 or update == num_updates:
             per_update = (time.perf_counter() - t_start) / (update - start_update)
             row = report(args, loop, window, metrics, update, num_updates, (num_updates - update) * per_update)
             window = new_window()
-        if loop.run_path is not None and update % args.checkpoint_every == 0:
-            save(loop.run_path / "checkpoint.npz", state, update, update * args.num_steps * loop.layout.num_envs)
-    return state, num_updates, row
+        if update % args.checkpoint_every == 0:
+            checkpoint(loop.run, state, update, loop.layout, args)
+    return state, num_updates, row, 0
 
 
 def start_actors(args, layout, store, stop, start_update, num_updates):
@@ -699,57 +653,311 @@ def start_actors(args, layout, store, stop, start_update, num_updates):
     return queues, threads
 
 
+# ---- Plumbing: the same text in all four scripts (tests/test_plumbing.py keeps it so) ----
+# Not the algorithm: flag checks, joining a multi-host run, the run folder, stop signals,
+# checkpoints, metrics rows and the progress line. Read once, skip in the other files; what
+# differs between the scripts comes in as arguments.
+
+def fail(message):
+    """Bad input: one line on stderr and exit status 2, before anything is compiled."""
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+def flag(name):
+    return "--" + name.replace("_", "-")
+
+
+def check_flags(args, counts=(), unit=(), positive=(), nonnegative=()):
+    """Counts at least 1; floats finite and in range (`unit`: [0, 1], `positive`: > 0,
+    `nonnegative`: >= 0); a --resume file that exists."""
+    for name in counts:
+        if getattr(args, name) < 1:
+            fail(f"{flag(name)} {getattr(args, name)} must be at least 1")
+    for names, ok, valid in ((unit, lambda x: 0 <= x <= 1, "in [0, 1]"), (positive, lambda x: x > 0, "above 0"),
+                             (nonnegative, lambda x: x >= 0, "at least 0")):
+        for name in names:
+            value = getattr(args, name)
+            if not (math.isfinite(value) and ok(value)):
+                fail(f"{flag(name)} {value} must be a finite number {valid}")
+    if args.resume is not None and not Path(args.resume).is_file():
+        fail(f"--resume {args.resume!r}: no such checkpoint file")
+
+
+def check_seed(seed, limit):
+    """Seeds in [0, limit) each give their own random numbers: JAX keeps a seed's low 32 bits
+    (limit 2**32), envpool takes int32 seeds (Sebulba: the seed plus each env's index < 2**31)."""
+    if not 0 <= seed < limit:
+        fail(f"--seed {seed} must be in 0..{limit - 1:,}: other seeds repeat these seeds' random numbers "
+             "or are refused by the environments")
+
+
+def start_distributed(args):
+    """Join a multi-host run (jax.distributed) if --distributed is given. A dead peer ends the
+    others within two minutes (`lost_peer`, `watch_peers`)."""
+    given = [flag(name) for name in ("coordinator_address", "num_processes", "process_id")
+             if getattr(args, name) is not None]
+    if not args.distributed:
+        if given:
+            fail(f"{', '.join(given)} only apply to a multi-host run: add --distributed")
+        return
+    if args.num_processes is not None and args.num_processes < 1:
+        fail(f"--num-processes {args.num_processes} must be at least 1")
+    if None not in (args.num_processes, args.process_id) and not 0 <= args.process_id < args.num_processes:
+        fail(f"--process-id {args.process_id} must be in 0..{args.num_processes - 1} (--num-processes "
+             f"{args.num_processes})")
+    # JAX's preemption service would take SIGTERM from `catch_stop_signals`; `stop_signal` does its job.
+    jax.config.update("jax_enable_preemption_service", False)
+    try:
+        # JAX's heartbeat (150 s here) only ends the run if `watch_peers` (at most 120 s) has not.
+        jax.distributed.initialize(args.coordinator_address, args.num_processes, args.process_id,
+                                   heartbeat_timeout_seconds=150)
+    except (ValueError, TypeError, RuntimeError) as e:
+        fail(f"--distributed: {str(e).splitlines()[0]} (outside a cluster JAX detects (SLURM, Cloud TPU, "
+             "Kubernetes), give --coordinator-address, --num-processes and --process-id)")
+
+
+def check_fits(num_bytes, what):
+    """Refuse, up front, buffers that cannot fit in this host's memory."""
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if num_bytes > memory:
+        fail(f"{what} would need {num_bytes / 2**30:,.1f} GiB, more than this host's {memory / 2**30:,.1f} GiB")
+
+
+class Run(NamedTuple):
+    folder: Path | None  # process 0 only: the other processes write nothing
+    writer: SummaryWriter | None
+    checkpoint: Path | None
+
+
+def open_run(args):
+    """{run-dir}/{env}__{exp-name}__{seed}__{unix time}, flat for namespaced ids. A run only writes into
+    a folder it created: a second run started in the same second gets the suffix _1, _2, ..."""
+    if jax.process_index() != 0:
+        return Run(None, None, None)
+    base = f"{args.env_id.replace(':', '_').replace('/', '_')}__{args.exp_name}__{args.seed}__{int(time.time())}"
+    folder, n = Path(args.run_dir) / base, 0
+    while True:
+        try:
+            folder.mkdir(parents=True)
+            break
+        except FileExistsError:
+            n += 1
+            folder = Path(args.run_dir) / f"{base}_{n}"
+        except OSError as e:
+            fail(f"--run-dir {args.run_dir!r}: cannot make a run folder in it ({e.strerror})")
+    (folder / "args.json").write_text(json.dumps(dataclasses.asdict(args), indent=2))
+    return Run(folder, SummaryWriter(str(folder)), folder / "checkpoint.npz")
+
+
+def catch_stop_signals():
+    """Ctrl-C (SIGINT) and SIGTERM (what SLURM and Kubernetes send before a kill) only note the
+    signal: the run stops at its next safe point, writes a checkpoint and exits 128 + the signal's
+    number (130, 143). Raising inside JAX or envpool could hang. A second signal exits at once."""
+    caught = []
+
+    def note(signum, _):
+        if caught:
+            os._exit(128 + signum)
+        caught.append(signum)
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, note)
+    return caught
+
+
+def stop_signal(caught):
+    """0 to go on, else the signal to stop for; the same on every process of a multi-host run (the
+    largest caught anywhere), so that every process stops after the same update."""
+    mine = caught[0] if caught else 0
+    if jax.process_count() == 1:
+        return mine
+    return int(np.max(multihost_utils.process_allgather(np.int32(mine))))
+
+
+def flat(tree):
+    """{key path: leaf}: the names of a checkpoint's arrays."""
+    return {jax.tree_util.keystr(path, simple=True, separator="/"): leaf
+            for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def save(path, tree):
+    """Write host arrays to `path` (None: not process 0) through a temporary file moved into place,
+    so a crash or a kill never leaves a torn checkpoint."""
+    if path is None:
+        return
+    tmp = path.with_name("checkpoint.tmp.npz")
+    np.savez(tmp, **flat(tree))
+    os.replace(tmp, path)
+
+
+def load(path, template, num_updates, hint):
+    """The checkpoint at `path` as host arrays shaped like `template` (a dict with an "update" count).
+    Unreadable files, other runs' checkpoints (`hint`: which flags must match) and runs already at
+    this run's last update are one error line."""
+    try:
+        with np.load(path, allow_pickle=False) as f:
+            arrays = dict(f)
+    except Exception as e:  # empty, truncated, random bytes, pickled
+        fail(f"--resume {path!r} is not a readable checkpoint ({type(e).__name__}: {str(e).splitlines()[0]})")
+    names = flat(template)
+    for name, like in names.items():
+        got = arrays.get(name)
+        if got is None or got.shape != like.shape or got.dtype != like.dtype:
+            found = "missing" if got is None else f"{got.dtype}{list(got.shape)}"
+            fail(f"--resume {path!r} does not match this run: {name} is {found}, expected "
+                 f"{like.dtype}{list(like.shape)} ({hint})")
+    tree = jax.tree.unflatten(jax.tree.structure(template), [arrays[name] for name in names])
+    if tree["update"] >= num_updates:
+        fail(f"--resume {path!r} is at update {int(tree['update'])}, the end of a {num_updates}-update run: "
+             "raise --total-timesteps to go on")
+    return tree
+
+
+def on_disk(run):
+    """What a stopping run leaves behind, said exactly."""
+    if run.folder is None:
+        return "process 0 writes this run's checkpoints"
+    if not run.checkpoint.is_file():
+        return f"no checkpoint was written yet ({run.folder} holds args.json and the metrics)"
+    with np.load(run.checkpoint) as f:
+        return f"the checkpoint {run.checkpoint} holds update {int(f['update'])}: go on with --resume {run.checkpoint}"
+
+
+def close(run):
+    if run.writer is not None:
+        run.writer.close()
+
+
+def exit_now(code, run):
+    """Close the logs and end the process without the interpreter's shutdown, which could wait on a
+    thread inside envpool or XLA, or on a dead peer (jax.distributed's shutdown barrier)."""
+    close(run)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def stopped(signum, update, run):
+    print(f"stopped by {signal.Signals(signum).name} after update {update}: {on_disk(run)}", flush=True)
+    exit_now(128 + signum, run)
+
+
+def check_finite(losses, update, run):
+    """Stop the run (exit status 1) at a NaN or infinite loss, saying which checkpoint is on disk."""
+    bad = {name: value for name, value in losses.items() if not math.isfinite(value)}
+    if bad:
+        print(f"error: non-finite loss at update {update} ({bad}); {on_disk(run)}", file=sys.stderr, flush=True)
+        exit_now(1, run)
+
+
+def lost_peer(error, run):
+    """Multi-host: a collective failed, nearly always because another process died. One line, then exit:
+    a normal exit would wait for the dead peer at jax.distributed's shutdown and abort 100 s later."""
+    print(f"error: lost contact with another process of this {jax.process_count()}-process run "
+          f"({str(error).splitlines()[0]}); {on_disk(run)} on every process", file=sys.stderr,
+          flush=True)
+    exit_now(1, run)
+
+
+def watch_peers(run):
+    """Multi-host: a collective whose peer died often fails at once (`lost_peer`), but it can also
+    block until JAX's heartbeat aborts the process with a C++ stack. From the end of the first log
+    interval on, a thread ends the run with one line when `beat` (called at each safe point) goes
+    quiet for 3 times the longest interval so far, at least 60 s and at most 120 s."""
+    beats = [0, time.monotonic(), 0.0]  # calls so far, time of the last one, longest interval
+
+    def beat():
+        now = time.monotonic()
+        longest = max(beats[2], now - beats[1]) if beats[0] >= 1 else 0.0
+        beats[:] = [beats[0] + 1, now, longest]
+
+    def limit():
+        return min(120.0, max(60.0, 3 * beats[2]))
+
+    def watch():
+        while beats[0] < 2 or time.monotonic() - beats[1] < limit():
+            time.sleep(1)
+        print(f"error: no progress for {limit():.0f} s in this {jax.process_count()}-process run: another process "
+              f"has probably died; {on_disk(run)} on every process", file=sys.stderr, flush=True)
+        exit_now(1, run)
+
+    if jax.process_count() > 1:
+        threading.Thread(target=watch, daemon=True).start()
+    return beat
+
+
+def duration(seconds):
+    minutes, seconds = divmod(int(seconds), 60)
+    return f"{minutes // 60}h{minutes % 60:02d}m" if minutes >= 60 else f"{minutes}m{seconds:02d}s"
+
+
+def log(run, row, update, num_updates, total_steps, eta):
+    """A metrics row (CleanRL's names) to metrics.jsonl and TensorBoard, and the progress line; process 0."""
+    if run.folder is None:
+        return
+    with open(run.folder / "metrics.jsonl", "a") as f:
+        f.write(json.dumps(row) + "\n")
+    for name, value in row.items():
+        if "/" in name:
+            run.writer.add_scalar(name, value, row["global_step"])
+    step, ret = row["global_step"], row.get("charts/episodic_return")
+    print(f"update {update}/{num_updates} | step {step:,}/{total_steps:,} ({step / total_steps:.0%}) | "
+          f"SPS {row['charts/SPS']:,.0f} | return {'-' if ret is None else f'{ret:.2f}'} | ETA {duration(eta)}",
+          flush=True)
+
+
+def checksum(params):
+    """sha256 of this host's copy of the parameters in key-path order: equal runs, equal hosts, equal sums."""
+    digest = hashlib.sha256()
+    for leaf in flat(params).values():
+        digest.update(np.ascontiguousarray(leaf.addressable_data(0) if isinstance(leaf, jax.Array) else leaf).tobytes())
+    return digest.hexdigest()
+
+
 # ---- The run: actor threads feed the learner (main thread) through bounded queues ---------
 
 def main(args):
+    caught = catch_stop_signals()
     num_actions = check_args(args)
-    if args.distributed:
-        jax.distributed.initialize(args.coordinator_address, args.num_processes, args.process_id)
+    start_distributed(args)
     layout = pick_devices(args)
     num_updates = check_sizes(args, layout)
     key = jax.random.PRNGKey(args.seed)
     start_update = 0
+    init = partial(init_state, args=args, num_actions=num_actions, num_updates=num_updates)
     if args.resume:
-        template = jax.eval_shape(partial(init_state, args=args, num_actions=num_actions, num_updates=num_updates), key)
-        host_state, start_update = load(args.resume, template)
-        if start_update >= num_updates:
-            fail(f"--resume {args.resume!r} is at update {start_update}, the end of a {num_updates}-update "
-                 "run: raise --total-timesteps to continue")
+        template = {"state": jax.eval_shape(init, key), "update": np.int64(0), "global_step": np.int64(0)}
+        ckpt = load(args.resume, template, num_updates, "same --env-id?")
+        host_state, start_update = ckpt["state"], int(ckpt["update"])
     else:
-        host_state = jax.device_get(init_state(key, args, num_actions, num_updates))
+        host_state = jax.device_get(init(key))
+    run = open_run(args)
     replicated = NamedSharding(layout.mesh, P())  # on every learner device of every host
     state = jax.tree.map(lambda a: jax.make_array_from_callback(a.shape, replicated, lambda i: a[i]), host_state)
-    writer, run_path = None, None
-    if jax.process_index() == 0:
-        run_path = run_folder(args)
-        run_path.mkdir(parents=True, exist_ok=True)
-        (run_path / "args.json").write_text(json.dumps(asdict(args), indent=2))
-        writer = SummaryWriter(str(run_path))
-    stop, interrupted, store = threading.Event(), threading.Event(), ParamStore()
-    if threading.current_thread() is threading.main_thread():
-        # Ctrl-C: the update in flight finishes, then a checkpoint is written and the run exits.
-        signal.signal(signal.SIGINT, lambda *_: interrupted.set())
+    stop, store = threading.Event(), ParamStore()
     store.publish(start_update, to_actors(state.params, layout))
     queues, threads = start_actors(args, layout, store, stop, start_update, num_updates)
     print(f"{args.env_id}: {num_updates} updates of {args.num_steps * layout.num_envs:,} steps; actors "
           f"{layout.actor_devices} x {args.num_actor_threads} threads x {args.local_num_envs} envs, learners "
           f"{list(layout.mesh.devices)}", flush=True)
-    loop = Loop(layout, make_update(args, layout.mesh, num_updates), queues, store, stop, interrupted, writer, run_path)
+    loop = Loop(layout, make_update(args, layout.mesh, num_updates), queues, store, stop, caught, run)
     try:
-        state, update, row = learn(args, loop, state, start_update, num_updates)
+        state, update, row, signum = learn(args, loop, state, start_update, num_updates)
+    except jax.errors.JaxRuntimeError as e:
+        if jax.process_count() == 1:
+            raise
+        lost_peer(e, run)
     finally:
         stop.set()  # actor threads end; a failing one already printed its traceback
     for t in threads:
         t.join(timeout=10)
-    if run_path is not None:
-        save(run_path / "checkpoint.npz", state, update, update * args.num_steps * layout.num_envs)
-        writer.close()
-    params = jax.device_get(local(state.params))
-    digest = hashlib.sha256(b"".join(np.ascontiguousarray(x).tobytes() for x in flat(params).values()))
-    print(f"checksum {digest.hexdigest()}", flush=True)
-    if interrupted.is_set():
-        print(f"interrupted after update {update}: checkpoint written to {run_path}", flush=True)
-        sys.exit(130)
+    checkpoint(run, state, update, layout, args)
+    if signum:
+        stopped(signum, update, run)
+    close(run)
+    row["checksum"] = checksum(state.params)
+    print(f"checksum {row['checksum']}", flush=True)
     return row
 
 

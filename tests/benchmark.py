@@ -147,7 +147,7 @@ def sebulba_row(r, digits):
 
 def impala_worker(env_id, flags, updates, log_every):
     impala = load("sebulba_impala.py")
-    args, env = impala.resolve_args(impala.Args(env_id=env_id, **flags))
+    args, env = impala.check_args(impala.Args(env_id=env_id, **flags))
 
     def make_envs(seed):
         envs = impala.make_envs(env_id, env, args.local_num_envs, seed, False)
@@ -202,7 +202,7 @@ def ppo_worker(envs, seeds, updates):
     from jax.sharding import Mesh, PartitionSpec as P
 
     ppo = load("anakin_ppo.py")
-    args = ppo.resolve(ppo.Args(num_envs_per_device=envs, num_seeds=seeds))
+    args = ppo.check_args(ppo.Args(num_envs_per_device=envs, num_seeds=seeds))
     env = ppo.ENVS[args.env_id]
     mesh = Mesh(np.array(jax.devices()), (ppo.AXIS,))
     n = np.int32(updates)

@@ -5,9 +5,12 @@
   devices (XLA_FLAGS must be set before JAX is imported, hence the subprocess), returning
   its exit status, output and parsed `metrics.jsonl`.
 - `run_two_hosts(script, args, tmp_path)`: the same script as two processes on 127.0.0.1
-  joined by `jax.distributed` (`--distributed` with a free coordinator port).
-- `spawn(script, args, cwd)`: start a script without waiting (for signal tests).
+  joined by `jax.distributed` (`--distributed` with a free coordinator port);
+  `spawn_two_hosts` starts them without waiting (for the dead-peer test).
+- `spawn(script, args, cwd)`: start a script without waiting (for signal tests), and
+  `catches(proc, signum)`: whether it has installed its handler for that signal yet.
 - `checksum(output)`: the parameter checksum a script prints at the end of a run.
+- `error_line(result)`: the one `error:` line of a run refused with exit status 2.
 """
 
 import importlib.util
@@ -109,11 +112,9 @@ def free_port():
         return s.getsockname()[1]
 
 
-def run_two_hosts(script, args, tmp_path, devices=2, timeout=600, env=None):
-    """Run `script` as two processes of one `jax.distributed` job on 127.0.0.1.
-
-    Each process gets `devices` fake CPU devices and its own folder; returns both Results.
-    """
+def spawn_two_hosts(script, args, tmp_path, devices=2, env=None):
+    """Start `script` as two processes of one `jax.distributed` job on 127.0.0.1, each with
+    `devices` fake CPU devices and its own folder; returns the Popens and their run roots."""
     port = free_port()
     procs, roots = [], []
     for pid in range(2):
@@ -124,6 +125,13 @@ def run_two_hosts(script, args, tmp_path, devices=2, timeout=600, env=None):
                      "--num-processes", 2, "--process-id", pid]
         procs.append(spawn(script, host_args, root, devices, env))
         roots.append(root / "runs")
+    return procs, roots
+
+
+def run_two_hosts(script, args, tmp_path, devices=2, timeout=600, env=None):
+    """Run `script` as two processes of one `jax.distributed` job on 127.0.0.1 (`spawn_two_hosts`)
+    and wait for both; returns both Results."""
+    procs, roots = spawn_two_hosts(script, args, tmp_path, devices, env)
     results = []
     try:
         for proc, root in zip(procs, roots):
@@ -133,6 +141,14 @@ def run_two_hosts(script, args, tmp_path, devices=2, timeout=600, env=None):
         for proc in procs:
             proc.kill()
     return results
+
+
+def catches(proc, signum):
+    """Whether process `proc` has installed a handler for `signum` (Linux: SigCgt in /proc)."""
+    for line in Path(f"/proc/{proc.pid}/status").read_text().splitlines():
+        if line.startswith("SigCgt:"):
+            return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
+    return False
 
 
 def checksum(output):

@@ -144,7 +144,7 @@ def test_q_lambda_gradient_moves_only_the_taken_q_values_towards_fixed_targets()
 
 def final_params(result):
     with np.load(result.run_dir / "checkpoint.npz") as f:
-        return {k: f[k] for k in f if k.startswith(".params")}
+        return {k: f[k] for k in f if k.startswith("learner/params")}
 
 
 def test_default_run_learns_catch(tmp_path):
@@ -225,7 +225,7 @@ def test_ctrl_c_writes_a_loadable_checkpoint_and_exits(tmp_path):
     (run_dir,) = (tmp_path / "runs").iterdir()
     with np.load(run_dir / "checkpoint.npz", allow_pickle=False) as f:
         assert int(f["update"]) >= 20
-        assert f[".lanes.key"].shape == (128, 2)
+        assert f["learner/lanes/key"].shape == (128, 2)
 
 
 def test_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path):
@@ -237,7 +237,7 @@ def test_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_pa
     assert "error: non-finite loss at update 2" in result.output
     with np.load(result.run_dir / "checkpoint.npz", allow_pickle=False) as f:
         assert int(f["update"]) == 1
-        assert all(np.isfinite(f[k]).all() for k in f if k.startswith(".params"))
+        assert all(np.isfinite(f[k]).all() for k in f if k.startswith("learner/params"))
 
 
 # ---- Bad input ----------------------------------------------------------------------------

@@ -239,7 +239,7 @@ sys.path.insert(0, {str(ROOT / "tests")!r})
 from conftest import load
 
 ppo = load("anakin_ppo.py")
-args = ppo.resolve(ppo.Args())
+args = ppo.check_args(ppo.Args())
 env = ppo.ENVS[args.env_id]
 rng = np.random.default_rng(0)
 S, N = 2, 64  # seeds; rows of one minibatch: 2E envs' rows on one device, or E envs' on each of two
@@ -377,10 +377,10 @@ def test_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_pa
             "--checkpoint-every", 1, "--total-timesteps", 10**7]
     result = run(SCRIPT, args, tmp_path)
     assert result.returncode == 1, result.output[-3000:]
-    assert "error: non-finite loss after update 2" in result.output
+    assert "error: non-finite loss at update 2" in result.output
     with np.load(result.run_dir / "checkpoint.npz", allow_pickle=False) as f:
-        assert int(f[".update"][0]) == 1
-        assert all(np.isfinite(f[k]).all() for k in f if k.startswith(".params"))
+        assert int(f["runner/update"][0]) == 1
+        assert all(np.isfinite(f[k]).all() for k in f if k.startswith("runner/params"))
 
 
 def test_ctrl_c_finishes_the_call_writes_a_checkpoint_and_exits(tmp_path):
@@ -394,7 +394,7 @@ def test_ctrl_c_finishes_the_call_writes_a_checkpoint_and_exits(tmp_path):
         output = line + proc.communicate(timeout=300)[0]
     finally:
         proc.kill()
-    assert proc.returncode == 130 and "interrupted after update" in output, output[-3000:]
+    assert proc.returncode == 130 and "stopped by SIGINT after update" in output, output[-3000:]
     with np.load(next((tmp_path / "runs").glob("*/checkpoint.npz")), allow_pickle=False) as f:
-        updates = int(f[".update"][0])
+        updates = int(f["runner/update"][0])
     assert updates > 0 and updates % 5 == 0  # the state after a whole call

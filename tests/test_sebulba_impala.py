@@ -379,22 +379,26 @@ def test_two_hosts_finish_with_identical_learner_params(tmp_path):
 
 
 @pytest.mark.parametrize("env_id,message", [
-    ("test_envs:Crash-v0", "injected actor fault"),
-    ("test_envs:NanReward-v0", "non-finite loss"),
+    ("test_envs:Crash-v0", "Traceback"),  # the actor thread's
+    ("test_envs:NanReward-v0", "error: non-finite loss at update "),  # one line, no traceback
 ])
-def test_a_failing_thread_ends_the_run_quickly_with_its_traceback(tmp_path, envs_path, env_id, message):
+def test_a_failing_thread_or_a_nan_ends_the_run_quickly(tmp_path, envs_path, env_id, message):
     flags = ["--env-id", env_id, "--local-num-envs", 2, "--num-steps", 4, "--num-actor-threads", 1,
              "--total-timesteps", 10**6]
     result = run(SCRIPT, flags, tmp_path, env=envs_path, timeout=180)
     ended = time.time()
     assert result.returncode not in (0, 2), result.output[-3000:]
-    assert message in result.output and "Traceback" in result.output
+    assert message in result.output, result.output[-3000:]
+    if "Crash" in env_id:
+        assert "injected actor fault" in result.output
+    else:
+        assert "Traceback" not in result.output and "no checkpoint was written yet" in result.output
     assert ended - float((tmp_path / "fault_time").read_text()) < 30
 
 
 def test_ctrl_c_writes_a_loadable_checkpoint_and_resume_continues_from_it(tmp_path):
     flags = ["--env-id", "CartPole-v1", "--local-num-envs", 8, "--num-steps", 16, "--num-actor-threads", 1,
-             "--log-every", 5, "--checkpoint-every", 0]
+             "--log-every", 5, "--checkpoint-every", 1000]
     proc = spawn(SCRIPT, [*flags, "--total-timesteps", 10**7, "--run-dir", tmp_path / "first"], tmp_path)
     output = []
     for line in proc.stdout:
