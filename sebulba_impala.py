@@ -606,6 +606,8 @@ class Loop(NamedTuple):
 
 
 def checkpoint(run, state, update, key, steps_per_update):  # the learner state, the count, the run's RNG key
+    if run.checkpoint is None:  # not process 0: the state is replicated, so nothing to fetch
+        return
     save(run.checkpoint, {"state": jax.device_get(jax.tree.map(local, state)), "update": np.int64(update),
                           "global_step": np.int64(update * steps_per_update), "key": jax.random.key_data(key)})
 

@@ -589,6 +589,8 @@ class Loop(NamedTuple):
 
 
 def checkpoint(run, state, update, layout, args):
+    if run.checkpoint is None:  # not process 0: the state is replicated, so nothing to fetch
+        return
     host = jax.device_get(local(state))
     save(run.checkpoint, {"state": host, "update": np.int64(update),
                           "global_step": np.int64(update * args.num_steps * layout.num_envs)})
