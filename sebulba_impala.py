@@ -1,33 +1,27 @@
-"""Sebulba: IMPALA with V-trace, on environments stepped by the host CPU.
+"""Sebulba IMPALA: the Podracer paper's actor/learner split (Hessel et al. 2021, section 4)
+running IMPALA with V-trace (Espeholt et al. 2018, arXiv 1802.01561).
 
-The Sebulba architecture of Podracer (Hessel et al. 2021, arXiv 2104.06272, section 4)
-running IMPALA (Espeholt et al. 2018, arXiv 1802.01561). Environments are anything the
-host can step: envpool ids (Atari `*-v5` with the IMPALA paper's protocol, classic
-control) or any id registered with gymnasium. Actor threads step their env batches and
-pick actions on actor devices; rollouts go straight to the learner devices, whose update
-is one `jit(shard_map(...))` over the learner devices of every host.
+Environments run on the host CPU, so acting and learning run on separate devices: actor threads
+step their envs with a jitted policy; the learner, one `jit` + `shard_map` over the learner devices
+of every host, runs the update and sends new parameters back. Any envpool id (Atari `*-v5` with the
+IMPALA paper's protocol) or gymnasium id.
 
-  host CPU (per host)              actor devices               learner devices (every host)
-  -----------------------------    ------------------------    --------------------------------
-  actor thread: B envs ---obs----> policy(params, obs, key)
-               (envpool/gym) <-action-  sampling inside the jit
-  (--num-actor-threads per actor device, each with --local-num-envs envs; while one
-   thread waits on its envs another runs its policy)
+    host CPU (per host)                 actor device(s)              learner devices (all hosts)
+    -------------------                 ---------------              ---------------------------
+    actor thread k: env batch      -->  act(params, obs): sample,
+      (--local-num-envs envs)      <--  logits (jit)
+      --num-steps steps, then the rollout [T, E, ...] is split along E
+                                   ------------------------------>  learner 0 | learner 1 | ...
+                                        (device_put, bounded queue)  V-trace loss, summed over the
+                                                                     batch, grads psum'd over all
+                                   <------------------------------  new params (one update later)
+    Actors act with parameters at most one update old (logged as stats/param_lag); V-trace's
+    importance weights correct for the lag.
 
-  rollout: T+1 obs (x_T is carried into the next rollout), T actions, logits, rewards
-  split along the env axis, device_put straight onto the learner devices:
-       B/L envs ---------------------------------------------> learner device 0 -+ bounded
-       B/L envs ---------------------------------------------> learner device 1 -+ queue
-                                                               update = jit(shard_map(...)):
-                                                               V-trace loss, gradients
-                                                               summed over the mesh, RMSProp
-  new params <---------------- copied to every actor device after each update: actors act
-                               with params at most one update old (logged as
-                               stats/param_lag); V-trace corrects for that lag.
-
-  python sebulba_impala.py --env-id CartPole-v1
-  python sebulba_impala.py --env-id Pong-v5 --actor-device-ids 0 --learner-device-ids 1 2 3 4
-  python sebulba_impala.py --env-id Breakout-v5 --distributed   # once per host (SLURM, TPU pods)
+Examples:
+    python sebulba_impala.py --env-id CartPole-v1
+    python sebulba_impala.py --env-id Pong-v5 --actor-device-ids 0 --learner-device-ids 1 2 3
+    python sebulba_impala.py --resume runs/Breakout-v5__sebulba_impala__1__1700000000/checkpoint.npz
 """
 
 import dataclasses
@@ -44,7 +38,8 @@ import threading
 import time
 import traceback
 import warnings
-from collections import defaultdict
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Literal, NamedTuple
 
@@ -55,71 +50,71 @@ import optax
 import tyro
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from tensorboardX import SummaryWriter
 
 import envpool
 import gymnasium as gym
-from tensorboardX import SummaryWriter
 
 # envpool's classic-control specs trip a harmless gymnasium warning about float64 bounds.
 warnings.filterwarnings("ignore", message=".*precision lowered.*")
 
 
-@dataclasses.dataclass
+@dataclass
 class Args:
     env_id: str = "Breakout-v5"
     """an envpool id (Atari `*-v5`, `CartPole-v1`, ...) or any gymnasium id (`module:Name-v0` imports `module` first)"""
     exp_name: str = Path(__file__).stem
-    """name of the experiment, part of the run folder's name"""
+    """experiment name, part of the run folder's name"""
     seed: int = 1
-    """one integer seeds the network, the action sampling and the environments"""
+    """seeds parameters, environments and sampling"""
     total_timesteps: int | None = None
-    """environment steps over all envs, devices and hosts (default: 10M for images, 300k for vectors)"""
+    """agent steps summed over all envs, actor threads, devices and hosts (default: 10M images, 300k vectors)"""
     learning_rate: float | None = None
-    """RMSProp step size (default: 6e-4 for images, the IMPALA paper's; 5e-3 for vectors)"""
+    """RMSProp step size (default: 6e-4 images, the IMPALA paper's; 5e-3 vectors)"""
     anneal_lr: bool = True
-    """decay the learning rate linearly to 0 over the run (IMPALA paper)"""
-    local_num_envs: int = 16
-    """envs per actor thread"""
-    num_steps: int | None = None
-    """rollout length T, the unroll of the IMPALA paper (default: 20 for images, 16 for vectors)"""
-    num_actor_threads: int = 2
-    """Python actor threads per actor device, each stepping its own env batch"""
+    """anneal the learning rate linearly to 0 over the run"""
     actor_device_ids: list[int] | None = None
-    """local device indices that act (default: [0])"""
+    """local device indices that act (default: device 0)"""
     learner_device_ids: list[int] | None = None
-    """local device indices that learn (default: the other local devices, or [0] when there is one)"""
+    """local device indices that learn (default: all others, or device 0 if it is the only one)"""
+    num_actor_threads: int = 2
+    """Python actor threads per actor device: one steps its envs while another runs inference"""
+    local_num_envs: int = 16
+    """envs per actor thread (one env batch, one policy call per step)"""
+    num_steps: int | None = None
+    """rollout length per env per update, the IMPALA paper's unroll (default: 20 images, 16 vectors)"""
     gamma: float = 0.99
-    """discount factor"""
+    """discount"""
     vtrace_lambda: float = 1.0
     """lambda of V-trace's trace coefficients c_t = lambda * min(1, pi/mu)"""
     ent_coef: float = 0.01
-    """entropy bonus coefficient (IMPALA paper's Atari value)"""
+    """entropy bonus weight"""
     vf_coef: float = 0.5
-    """baseline (value) loss coefficient (IMPALA paper: 0.5)"""
+    """value loss weight"""
     max_grad_norm: float = 40.0
-    """clip gradients to this global norm (IMPALA paper: 40)"""
+    """global-norm gradient clipping"""
     rmsprop_eps: float | None = None
-    """RMSProp epsilon, inside the square root (default: 0.01, the IMPALA paper's, for images; 1e-5 for vectors)"""
-    network: Literal["deep", "shallow"] = "deep"
-    """image network, IMPALA paper figure 3: the deep ResNet or the shallow CNN (vectors always get an MLP)"""
+    """RMSProp epsilon, inside the square root (default: 0.01 images, the IMPALA paper's; 1e-5 vectors)"""
+    network: Literal["deep", "shallow", "mlp"] | None = None
+    """IMPALA paper figure 3's deep ResNet or shallow CNN for images (default: deep); an MLP for vectors"""
     machado: bool = False
-    """Atari only: Machado et al. (2018): sticky actions 0.25, full action set, no life loss, no no-op starts"""
+    """Machado et al. (2018) protocol: sticky actions 0.25, full action set, no life loss, no no-op starts"""
     log_every: int | None = None
-    """write a metrics row and a progress line every this many updates (default: 10 images, 40 vectors)"""
+    """updates between log lines and metrics rows (default: 10 images, 40 vectors)"""
     checkpoint_every: int = 100
-    """write checkpoint.npz every this many updates (one is always written at the end)"""
-    resume: str | None = None
-    """path of a checkpoint.npz to continue from"""
+    """updates between checkpoints (one is always written at the end)"""
     run_dir: str = "runs"
-    """parent folder of the run folders"""
+    """parent folder of run folders"""
+    resume: str | None = None
+    """checkpoint.npz to continue from (parameters, optimizer, counters; envs start afresh)"""
     distributed: bool = False
-    """call jax.distributed.initialize() (multi-host: each host runs its own actors)"""
+    """call jax.distributed.initialize() for a multi-host run"""
     coordinator_address: str | None = None
-    """host:port of process 0, for jax.distributed.initialize"""
+    """host:port of process 0 (multi-host; JAX detects it on SLURM, Cloud TPU, Kubernetes)"""
     num_processes: int | None = None
-    """number of processes, for jax.distributed.initialize"""
+    """number of processes (multi-host)"""
     process_id: int | None = None
-    """this process's index, for jax.distributed.initialize"""
+    """index of this process (multi-host)"""
 
 
 # Defaults that depend on the observations. Images: the IMPALA paper's Atari settings
@@ -128,30 +123,30 @@ class Args:
 # weight by about one step size per update, so the value head needs a large step size and
 # many small updates.
 DEFAULTS = {
-    "image": dict(total_timesteps=10_000_000, learning_rate=6e-4, num_steps=20, rmsprop_eps=0.01, log_every=10),
-    "vector": dict(total_timesteps=300_000, learning_rate=5e-3, num_steps=16, rmsprop_eps=1e-5, log_every=40),
+    "image": dict(total_timesteps=10_000_000, learning_rate=6e-4, num_steps=20, rmsprop_eps=0.01, network="deep",
+                  log_every=10),
+    "vector": dict(total_timesteps=300_000, learning_rate=5e-3, num_steps=16, rmsprop_eps=1e-5, network="mlp",
+                   log_every=40),
 }
 
 
-# ---------------------------------------------------------------------------------------
-# Environments, stepped on the host (Sebulba's point: any environment the host can run).
-
-
-class EnvInfo(NamedTuple):
-    source: str  # "envpool" or "gymnasium"
-    atari: bool  # envpool Atari: IMPALA protocol; info["reward"] is the unclipped score
-    obs_shape: tuple  # images are [C, H, W] (envpool's layout)
-    num_actions: int
-
+# ---- The environment: stepped on the host by the actor threads (envpool or gymnasium) ------
 
 def atari_kwargs(machado):
-    # IMPALA paper: life loss ends a training episode, rewards clipped to [-1, 1], 30 no-op
-    # starts (frame skip 4, 4-frame stack, 84x84 grey are envpool's defaults).
+    """The IMPALA paper's protocol: a lost life ends a training episode, rewards clipped to their
+    sign, 30 no-op starts (frame skip 4, 4-frame stack, 84x84 grey are envpool's defaults)."""
     if machado:  # Machado et al. 2018: stochasticity from sticky actions instead of no-ops
         # noop_max=1 means no no-op starts: envpool 1.2.5 crashes at reset with noop_max=0.
         return dict(episodic_life=False, reward_clip=True, noop_max=1,
                     repeat_action_probability=0.25, full_action_space=True)
     return dict(episodic_life=True, reward_clip=True, noop_max=30)
+
+
+class EnvInfo(NamedTuple):
+    obs_shape: tuple  # images are [C, H, W], envpool's layout
+    num_actions: int
+    source: str  # "envpool" or "gymnasium"
+    atari: bool  # envpool Atari: the IMPALA paper's protocol; info["reward"] is the unclipped score
 
 
 def describe_env(env_id, machado):
@@ -183,72 +178,52 @@ def describe_env(env_id, machado):
     shape = obs_space.shape
     if source == "gymnasium" and len(shape) == 3:  # gymnasium images are [H, W, C]
         shape = (shape[2], shape[0], shape[1])
-    return EnvInfo(source, atari, tuple(shape), int(act_space.n))
-
-
-def make_envs(env_id, env, num_envs, seed, machado):
-    if env.source == "envpool":
-        kwargs = atari_kwargs(machado) if env.atari else {}
-        return envpool.make(env_id, env_type="gymnasium", num_envs=num_envs, seed=seed, **kwargs)
-    # gymnasium's vector envs autoreset on the next step by default, like envpool.
-    return gym.make_vec(env_id.rpartition(":")[2], num_envs=num_envs, vectorization_mode="sync")
-
-
-def host_obs(obs, env):
-    if env.source == "gymnasium" and obs.ndim == 4:
-        obs = np.moveaxis(obs, -1, 1)  # [B, H, W, C] -> [B, C, H, W]
-    return obs.astype(np.float32) if obs.dtype == np.float64 else obs
-
-
-def reset_envs(envs, env, seed):
-    obs, _ = envs.reset() if env.source == "envpool" else envs.reset(seed=seed)
-    return host_obs(obs, env)
+    return EnvInfo(tuple(shape), int(act_space.n), source, atari)
 
 
 class Step(NamedTuple):
-    obs: np.ndarray  # [B, *obs_shape] next observation
-    reward: np.ndarray  # [B] training reward (Atari: clipped to [-1, 1])
-    terminated: np.ndarray  # [B] the episode ended for training (Atari: also a life lost): no bootstrap
-    ended: np.ndarray  # [B] terminated or truncated: the next step is the env's reset step
-    score: np.ndarray  # [B] the game's own reward (Atari: unclipped)
-    game_over: np.ndarray  # [B] the whole game ended (Atari: last life lost) or was truncated
+    obs: np.ndarray  # [E, *obs_shape] the next observation
+    reward: np.ndarray  # [E] the training reward (Atari: clipped to [-1, 1])
+    terminated: np.ndarray  # [E] the episode ended for training (Atari: a life lost too): no bootstrap
+    ended: np.ndarray  # [E] terminated or truncated: the next step is the env's reset step
+    score: np.ndarray  # [E] the game's own reward (Atari: unclipped)
+    game_over: np.ndarray  # [E] the whole game ended (Atari: its last life) or was truncated
 
 
-def env_step(envs, env, actions):
-    obs, reward, terminated, truncated, info = envs.step(actions)
-    if env.atari:  # the true game: unclipped reward, ends when all lives are gone
-        score, game_over = info["reward"], info["terminated"].astype(bool) | truncated
-    else:
-        score, game_over = reward, terminated | truncated
-    return Step(host_obs(obs, env), reward.astype(np.float32), terminated, terminated | truncated,
-                score, game_over)
+class Envs:
+    """One actor thread's batch of envs: reset() -> obs, step(actions) -> Step."""
+
+    def __init__(self, args, num_envs, seed):
+        self.env, self.seed = describe_env(args.env_id, args.machado), seed
+        if self.env.source == "envpool":
+            kwargs = atari_kwargs(args.machado) if self.env.atari else {}
+            self.pool = envpool.make(args.env_id, env_type="gymnasium", num_envs=num_envs, seed=seed, **kwargs)
+        else:  # gymnasium's vector envs autoreset on the next step by default, like envpool
+            self.pool = gym.make_vec(args.env_id.rpartition(":")[2], num_envs=num_envs, vectorization_mode="sync")
+
+    def reset(self):
+        obs, _ = self.pool.reset() if self.env.source == "envpool" else self.pool.reset(seed=self.seed)
+        return self.host_obs(obs)
+
+    def step(self, actions):
+        obs, reward, terminated, truncated, info = self.pool.step(actions)
+        if self.env.atari:
+            score, game_over = info["reward"], info["terminated"].astype(bool) | truncated  # the whole game's
+        else:
+            score, game_over = reward, terminated | truncated
+        return Step(self.host_obs(obs), reward.astype(np.float32), terminated, terminated | truncated, score, game_over)
+
+    def host_obs(self, obs):
+        """envpool's layout and no float64: gymnasium images [E, H, W, C] -> [E, C, H, W]."""
+        if self.env.source == "gymnasium" and obs.ndim == 4:
+            obs = np.moveaxis(obs, -1, 1)
+        return obs.astype(np.float32) if obs.dtype == np.float64 else obs
 
 
-class ActorState(NamedTuple):
-    obs: np.ndarray  # [B, *obs_shape] x_t
-    ended: np.ndarray  # [B] x_t is an episode's last observation: step t is a reset step
-    returns: np.ndarray  # [B] score of the current game so far
-    lengths: np.ndarray  # [B] agent steps of the current game so far
+# ---- The network: IMPALA paper figure 3 (without the LSTM) for images, an MLP for vectors -
 
-
-def track_episodes(state, step):
-    """Whole-game bookkeeping: the new state and (scores, lengths) of the games that ended on
-    this step. A reset step (after any episode end, life loss included) ignores the action, so
-    it is no step of any game."""
-    returns = state.returns + step.score
-    lengths = state.lengths + ~state.ended
-    over = step.game_over
-    new = ActorState(step.obs, step.ended, np.where(over, 0.0, returns), np.where(over, 0, lengths))
-    return new, (returns[over], lengths[over])
-
-
-# ---------------------------------------------------------------------------------------
-# Network: the IMPALA paper's networks (figure 3, without the LSTM) for images, the deep
-# ResNet by default or the shallow CNN; an MLP for vectors. Chosen from the observation
-# shape and --network.
-
-IMPALA_CHANNELS = (16, 32, 32)  # deep: channels of the three conv + max-pool + 2 residual block stacks
-SHALLOW_CONVS = ((16, 8, 4), (32, 4, 2))  # shallow: (channels, kernel, stride) of its two convs
+IMPALA_CHANNELS = (16, 32, 32)  # deep: channels of its three stacks (conv, max-pool, two residual blocks)
+SHALLOW_CONVS = ((16, 8, 4), (32, 4, 2))  # shallow: (channels, kernel, stride), "VALID" padding
 
 
 def dense_init(key, n_in, n_out, scale):
@@ -259,30 +234,30 @@ def conv_init(key, c_in, c_out, size=3):
     return {"w": jax.nn.initializers.he_normal()(key, (size, size, c_in, c_out)), "b": jnp.zeros(c_out)}
 
 
-def init_params(key, obs_shape, num_actions, network="deep"):
-    keys = iter(jax.random.split(key, 32))
-    params = {}
-    if len(obs_shape) == 3 and network == "deep":
-        c_in, (h, w) = obs_shape[0], obs_shape[1:]
-        for i, c in enumerate(IMPALA_CHANNELS):  # conv, max-pool, two residual blocks
-            params[f"stack{i}"] = {"conv": conv_init(next(keys), c_in, c),
-                                   **{f"res{j}": conv_init(next(keys), c, c) for j in range(4)}}
-            c_in, h, w = c, -(-h // 2), -(-w // 2)
-        params["torso"], hidden = dense_init(next(keys), h * w * c_in, 256, np.sqrt(2)), 256
-    elif len(obs_shape) == 3:
-        c_in, (h, w) = obs_shape[0], obs_shape[1:]
-        for i, (c, size, stride) in enumerate(SHALLOW_CONVS):  # "valid" padding
-            params[f"conv{i}"] = conv_init(next(keys), c_in, c, size)
-            c_in, h, w = c, (h - size) // stride + 1, (w - size) // stride + 1
-        params["torso"], hidden = dense_init(next(keys), h * w * c_in, 256, np.sqrt(2)), 256
-    else:
+def init_params(key, obs_shape, num_actions, network):
+    """{"torso": {network: its layers}, "policy": ..., "value": ...}: the torso is filed under its network's name."""
+    layers = {"deep": 5 * len(IMPALA_CHANNELS) + 1, "shallow": len(SHALLOW_CONVS) + 1, "mlp": 4}[network]
+    keys, torso = iter(jax.random.split(key, layers + 2)), {}  # one key per layer, the two heads included
+    if network == "mlp":
         for head in ("policy", "value"):  # two MLPs: a shared torso lets value errors swamp the policy
-            params[f"{head}_hidden0"] = dense_init(next(keys), obs_shape[0], 64, np.sqrt(2))
-            params[f"{head}_hidden1"] = dense_init(next(keys), 64, 64, np.sqrt(2))
+            torso[f"{head}0"] = dense_init(next(keys), obs_shape[0], 64, np.sqrt(2))
+            torso[f"{head}1"] = dense_init(next(keys), 64, 64, np.sqrt(2))
         hidden = 64
-    params["policy"] = dense_init(next(keys), hidden, num_actions, 0.01)
-    params["value"] = dense_init(next(keys), hidden, 1, 1.0)
-    return params
+    else:
+        c_in, (h, w) = obs_shape[0], obs_shape[1:]
+        if network == "deep":
+            for i, c in enumerate(IMPALA_CHANNELS):
+                torso[f"stack{i}"] = {"conv": conv_init(next(keys), c_in, c), **{
+                    f"block{j}": {"conv0": conv_init(next(keys), c, c), "conv1": conv_init(next(keys), c, c)}
+                    for j in range(2)}}
+                c_in, h, w = c, (h + 1) // 2, (w + 1) // 2  # the max-pool ("SAME", stride 2) rounds up
+        else:
+            for i, (c, size, stride) in enumerate(SHALLOW_CONVS):
+                torso[f"conv{i}"] = conv_init(next(keys), c_in, c, size)
+                c_in, h, w = c, (h - size) // stride + 1, (w - size) // stride + 1
+        torso["dense"], hidden = dense_init(next(keys), h * w * c_in, 256, np.sqrt(2)), 256
+    return {"torso": {network: torso}, "policy": dense_init(next(keys), hidden, num_actions, 0.01),
+            "value": dense_init(next(keys), hidden, 1, 1.0)}
 
 
 def dense(p, x):
@@ -299,65 +274,62 @@ def image_input(obs):  # [N, C, H, W] -> [N, H, W, C] float: uint8 frames scaled
     return x / 255.0 if obs.dtype == jnp.uint8 else x
 
 
-def resnet_torso(params, obs):  # obs [N, C, H, W] -> [N, 256]
+def resnet_torso(p, obs):  # obs [N, C, H, W] -> the same [N, 256] features for both heads
     x = image_input(obs)
     for i in range(len(IMPALA_CHANNELS)):
-        p = params[f"stack{i}"]
-        x = conv(p["conv"], x)  # then a 3x3 max-pool with stride 2:
+        stack = p[f"stack{i}"]
+        x = conv(stack["conv"], x)  # then a 3x3 max-pool with stride 2:
         x = jax.lax.reduce_window(x, -jnp.inf, jax.lax.max, (1, 3, 3, 1), (1, 2, 2, 1), "SAME")
-        for j in (0, 2):  # residual block: x + conv(relu(conv(relu(x))))
-            x = x + conv(p[f"res{j + 1}"], jax.nn.relu(conv(p[f"res{j}"], jax.nn.relu(x))))
-    x = jax.nn.relu(x).reshape(x.shape[0], -1)
-    return jax.nn.relu(dense(params["torso"], x))
+        for block in (stack["block0"], stack["block1"]):  # residual: x + conv(relu(conv(relu(x))))
+            x = x + conv(block["conv1"], jax.nn.relu(conv(block["conv0"], jax.nn.relu(x))))
+    x = jax.nn.relu(dense(p["dense"], jax.nn.relu(x).reshape(x.shape[0], -1)))
+    return x, x
 
 
-def shallow_torso(params, obs):  # obs [N, C, H, W] -> [N, 256]
+def shallow_torso(p, obs):  # obs [N, C, H, W] -> the same [N, 256] features for both heads
     x = image_input(obs)
     for i, (_, _, stride) in enumerate(SHALLOW_CONVS):
-        x = jax.nn.relu(conv(params[f"conv{i}"], x, stride, "VALID"))
-    return jax.nn.relu(dense(params["torso"], x.reshape(x.shape[0], -1)))
+        x = jax.nn.relu(conv(p[f"conv{i}"], x, stride, "VALID"))
+    x = jax.nn.relu(dense(p["dense"], x.reshape(x.shape[0], -1)))
+    return x, x
 
 
-def mlp_torso(params, obs, head):  # obs [N, D] -> [N, 64]
-    return jnp.tanh(dense(params[f"{head}_hidden1"], jnp.tanh(dense(params[f"{head}_hidden0"], obs))))
+def mlp_torso(p, obs):  # obs [N, D] -> [N, 64] policy features, [N, 64] value features
+    return [jnp.tanh(dense(p[f"{head}1"], jnp.tanh(dense(p[f"{head}0"], obs)))) for head in ("policy", "value")]
+
+
+TORSOS = {"deep": resnet_torso, "shallow": shallow_torso, "mlp": mlp_torso}
 
 
 def apply(params, obs):
     """obs [..., *obs_shape] -> (policy logits [..., A], value [...])."""
-    image = "torso" in params
-    batch_shape = obs.shape[: obs.ndim - (3 if image else 1)]
-    x = obs.reshape(-1, *obs.shape[len(batch_shape):])
-    if image:
-        policy_h = value_h = (resnet_torso if "stack0" in params else shallow_torso)(params, x)
-    else:
-        policy_h, value_h = mlp_torso(params, x, "policy"), mlp_torso(params, x, "value")
+    (network, torso), = params["torso"].items()  # the one init_params built
+    batch_shape = obs.shape[: obs.ndim - (1 if network == "mlp" else 3)]
+    policy_h, value_h = TORSOS[network](torso, obs.reshape(-1, *obs.shape[len(batch_shape):]))
     logits, value = dense(params["policy"], policy_h), dense(params["value"], value_h)[:, 0]
     return logits.reshape(*batch_shape, -1), value.reshape(batch_shape)
 
 
-# ---------------------------------------------------------------------------------------
-# Loss: V-trace (IMPALA paper, section 4.1, rho-bar = c-bar = 1), policy gradient with
-# V-trace advantages, baseline loss and entropy bonus.
+def log_prob(logits, actions):
+    return jnp.take_along_axis(jax.nn.log_softmax(logits), actions[..., None], -1)[..., 0]
 
 
-class Rollout(NamedTuple):
-    obs: np.ndarray  # [T+1, B, *obs_shape] x_0..x_T; x_T bootstraps and starts the next rollout
-    actions: np.ndarray  # [T, B] int32
-    logits: np.ndarray  # [T, B, A] behaviour policy mu (the actor's params)
-    rewards: np.ndarray  # [T, B]
-    terminated: np.ndarray  # [T, B] 1.0: the episode ended after step t, no bootstrap
-    valid: np.ndarray  # [T, B] 0.0: x_t is an episode's last obs, step t is the env's reset step
+def entropy(logits):
+    logp = jax.nn.log_softmax(logits)
+    return -(jnp.exp(logp) * logp).sum(-1)
 
+
+# ---- The loss: V-trace (IMPALA paper, section 4.1, rho-bar = c-bar = 1) and its policy gradient
 
 class VTrace(NamedTuple):
-    vs: jax.Array  # [T, B] value targets v_s
-    pg_advantages: jax.Array  # [T, B] rho_s (r_s + gamma_s v_{s+1} - V(x_s))
+    vs: jax.Array  # [T, E] value targets v_s
+    pg_advantages: jax.Array  # [T, E] rho_s (r_s + gamma_s v_{s+1} - V(x_s))
 
 
 def vtrace(values, rewards, discounts, rhos, valid, lambda_):
     """V-trace targets by the paper's recursion v_s - V(x_s) = delta_s + gamma_s c_s (v_{s+1} - V(x_{s+1})).
 
-    values [T+1, B] are V(x_0..x_T); the rest are [T, B]. discounts are gamma, or 0 where the
+    values [T+1, E] are V(x_0..x_T); the rest are [T, E]. discounts are gamma, or 0 where the
     episode terminated (a time-limit truncation keeps gamma: x_{t+1} is then the final
     observation, so it bootstraps from its value). A reset step (valid 0) contributes
     nothing and cuts the trace, so no target reaches across an episode boundary.
@@ -379,78 +351,106 @@ def vtrace(values, rewards, discounts, rhos, valid, lambda_):
     return VTrace(jax.lax.stop_gradient(vs), jax.lax.stop_gradient(pg_advantages))
 
 
-class LossInfo(NamedTuple):
+class Losses(NamedTuple):
     loss: jax.Array
     policy_loss: jax.Array
     value_loss: jax.Array
     entropy: jax.Array
 
 
-def impala_loss(params, batch, gamma, lambda_, vf_coef, ent_coef):
-    """Summed over this batch's valid steps, not averaged: the IMPALA paper's loss is a sum over
+def impala_loss(params, rollout, args):
+    """Summed over this learner's valid steps, not averaged: the IMPALA paper's loss is a sum over
     time and batch, and under RMSProp with epsilon 0.01 its scale matters (a mean's gradients
-    are T x B times smaller, so epsilon swamps them). The learner adds the devices' sums."""
-    logits, values = apply(params, batch.obs)  # [T+1, B, A], [T+1, B]
-    logp = jax.nn.log_softmax(logits[:-1])
-    logp_taken = jnp.take_along_axis(logp, batch.actions[..., None], -1)[..., 0]
-    mu_taken = jnp.take_along_axis(jax.nn.log_softmax(batch.logits), batch.actions[..., None], -1)[..., 0]
-    rhos = jnp.exp(logp_taken - mu_taken)  # pi / mu, importance weights of the lag
-    targets = vtrace(values, batch.rewards, gamma * (1.0 - batch.terminated), rhos, batch.valid, lambda_)
-    policy_loss = -jnp.sum(batch.valid * logp_taken * targets.pg_advantages)
-    value_loss = 0.5 * jnp.sum(batch.valid * (targets.vs - values[:-1]) ** 2)
-    entropy = -jnp.sum(batch.valid * jnp.sum(jnp.exp(logp) * logp, -1))
-    loss = policy_loss + vf_coef * value_loss - ent_coef * entropy
-    return loss, LossInfo(loss, policy_loss, value_loss, entropy)
+    are T x E times smaller, so epsilon swamps them). The learners' sums are added up."""
+    logits, values = apply(params, rollout.obs)  # [T+1, E, A], [T+1, E]
+    logp_taken = log_prob(logits[:-1], rollout.actions)
+    rhos = jnp.exp(logp_taken - log_prob(rollout.logits, rollout.actions))  # pi / mu, the lag's importance weights
+    discounts = args.gamma * (1.0 - rollout.terminated)
+    targets = vtrace(values, rollout.rewards, discounts, rhos, rollout.valid, args.vtrace_lambda)
+    policy_loss = -jnp.sum(rollout.valid * logp_taken * targets.pg_advantages)
+    value_loss = 0.5 * jnp.sum(rollout.valid * (targets.vs - values[:-1]) ** 2)
+    entropy_sum = jnp.sum(rollout.valid * entropy(logits[:-1]))
+    loss = policy_loss + args.vf_coef * value_loss - args.ent_coef * entropy_sum
+    return loss, Losses(loss, policy_loss, value_loss, entropy_sum)
 
 
-# ---------------------------------------------------------------------------------------
-# Acting (actor threads on actor devices) and learning (jit + shard_map over the learner
-# mesh): Sebulba's device mapping, paper section 4.
+# ---- Acting (actor devices) ------------------------------------------------------------
 
-
-class TrainState(NamedTuple):
-    params: dict
-    opt_state: optax.OptState
-
-
-def make_optimizer(args, num_updates):
-    # IMPALA paper: RMSProp (decay 0.99, no momentum), global-norm clipping, linear decay to 0.
-    lr = optax.linear_schedule(args.learning_rate, 0.0, num_updates) if args.anneal_lr else args.learning_rate
-    return optax.chain(optax.clip_by_global_norm(args.max_grad_norm),
-                       optax.rmsprop(lr, decay=0.99, eps=args.rmsprop_eps))
-
-
-def sample_action(params, obs, key):  # jitted by each actor thread: sampling stays on its device
-    key, subkey = jax.random.split(key)
+@jax.jit
+def act(params, obs, key):
+    """Sample actions on the actor device; return them with what the learner needs of them."""
+    key, sub = jax.random.split(key)
     logits, _ = apply(params, obs)
-    return jax.random.categorical(subkey, logits).astype(jnp.int32), logits, key
+    actions = jax.random.categorical(sub, logits)
+    return actions, logits, key
 
 
-def make_learner(args, mesh, optimizer):
-    """One update per call over every learner device of every host. Runs with
-    check_vma=False, so the gradient computed inside the body is this device's own; the
-    explicit psum then adds the devices' sums into the global batch's, the same on any
-    number of devices. Losses are logged per valid step."""
-    hyper = dict(gamma=args.gamma, lambda_=args.vtrace_lambda, vf_coef=args.vf_coef, ent_coef=args.ent_coef)
+class Rollout(NamedTuple):
+    """One actor thread's `--num-steps` transitions; split along E onto the learners."""
+    obs: np.ndarray  # [T + 1, E, *obs_shape] x_0..x_T; x_T bootstraps and starts the next rollout
+    actions: np.ndarray  # [T, E]
+    logits: np.ndarray  # [T, E, A] of the behaviour policy mu (the actor's parameters)
+    rewards: np.ndarray  # [T, E]
+    terminated: np.ndarray  # [T, E] 1.0: the episode ended after step t, no bootstrap
+    valid: np.ndarray  # [T, E] 0.0: step t is the env's reset step after an episode's end
 
-    def update(state, batch):  # batch: this device's B/L envs of every actor thread
-        grads, info = jax.grad(impala_loss, has_aux=True)(state.params, batch, **hyper)
-        grads, info, num_valid = jax.lax.psum((grads, info, batch.valid.sum()), "devices")
-        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-        info = jax.tree.map(lambda x: x / jnp.maximum(num_valid, 1.0), info)
-        return TrainState(optax.apply_updates(state.params, updates), opt_state), info
 
-    env_axis = Rollout(*[P(None, "devices")] * len(Rollout._fields))
-    return jax.jit(jax.shard_map(update, mesh=mesh, in_specs=(P(), env_axis), out_specs=(P(), P()),
-                                 check_vma=False))
+def to_rollout(steps, state, params):
+    """The rollout of `collect`'s steps; the actor state after them gives x_T, the bootstrap observation."""
+    obs, actions, logits, rewards, terminated, _, valid = steps
+    obs = np.concatenate([obs, state.obs[None]])
+    flags = (x.astype(np.float32) for x in (terminated, valid))
+    rollout = Rollout(obs, actions, logits, rewards, *flags)
+    return rollout, state
+
+
+class ActorState(NamedTuple):
+    """What an actor thread carries from one step, and one rollout, to the next."""
+    obs: np.ndarray  # [E, *obs_shape] the observation to act on
+    key: jax.Array  # on the actor device
+    ended: np.ndarray  # [E] obs is an episode's last: the next step is the env's reset step
+    game_return: np.ndarray  # [E] score of the game in progress (Atari: unclipped, all lives)
+    game_length: np.ndarray  # [E] agent steps of the game in progress
+
+
+class ActorStats(NamedTuple):
+    returns: list  # whole games that ended during the rollout
+    lengths: list
+    lag: int  # updates between the acting parameters and the learner's
+    rollout_time: float  # seconds per rollout, of which:
+    inference_time: float  # the policy, including fetching its actions
+    env_step_time: float  # the envs' step
+    actor_params_wait: float  # seconds waiting for parameters recent enough
+    actor_queue_wait: float  # seconds the previous rollout waited for room in the queue
+
+
+def collect(envs, params, state, num_steps):
+    """Step the envs `num_steps` times with the policy: (Rollout, ActorState, returns, lengths, times)."""
+    steps, returns, lengths, inference_s, env_s = [], [], [], 0.0, 0.0
+    for _ in range(num_steps):
+        t0 = time.perf_counter()
+        actions, out, key = act(params, state.obs, state.key)
+        actions, out = jax.device_get((actions, out))
+        t1 = time.perf_counter()
+        step = envs.step(actions)
+        inference_s, env_s = inference_s + t1 - t0, env_s + time.perf_counter() - t1
+        steps.append((state.obs, actions, out, step.reward, step.terminated, step.ended, ~state.ended))
+        # A reset step (after any episode end, a life lost included) ignores the action: no step of a game.
+        game_return, game_length = state.game_return + step.score, state.game_length + ~state.ended
+        returns += game_return[step.game_over].tolist()
+        lengths += game_length[step.game_over].tolist()
+        state = ActorState(step.obs, key, step.ended, np.where(step.game_over, 0.0, game_return),
+                           np.where(step.game_over, 0, game_length))
+    rollout, state = to_rollout(jax.tree.map(lambda *x: np.stack(x), *steps), state, params)
+    return rollout, state, returns, lengths, (inference_s, env_s)
 
 
 class Stopped(Exception):
-    """Another thread failed or the run was interrupted."""
+    """The run is stopping (an actor thread failed): whoever waits gives up."""
 
 
 def until_stopped(op, stop, *op_args):
-    """`q.put`/`q.get` on a bounded queue: wait, but never past a stop."""
+    """`q.put` or `q.get` on a bounded queue: wait, but never past a stop."""
     while not stop.is_set():
         try:
             return op(*op_args, timeout=0.5)
@@ -459,93 +459,54 @@ def until_stopped(op, stop, *op_args):
     raise Stopped
 
 
-def local(x):  # this host's copy of a replicated array
-    return x.addressable_data(0) if isinstance(x, jax.Array) else x
-
-
 class ParamStore:
-    """The newest learner parameters, one copy per actor device, and their version (the
-    number of updates applied). A lock-owning object, so a small class."""
+    """The newest parameters on every actor device, and how many updates made them."""
 
-    def __init__(self, actor_devices):
-        self.devices, self.copies, self.version = actor_devices, None, -1
-        self.cond = threading.Condition()
+    def __init__(self):
+        self.cond, self.version, self.params = threading.Condition(), -1, None
 
-    def publish(self, params, version):
-        copies = [jax.device_put(jax.tree.map(local, params), d) for d in self.devices]
+    def publish(self, version, params):
         with self.cond:
-            self.copies, self.version = copies, version
+            self.version, self.params = version, params
             self.cond.notify_all()
 
-    def wait(self, device_index, min_version, stop):
+    def wait(self, min_version, stop):
+        """(version, params) once version >= min_version."""
         with self.cond:
-            while self.version < min_version and not stop.is_set():
+            while self.version < min_version:
+                if stop.is_set():
+                    raise Stopped
                 self.cond.wait(timeout=0.5)
-            if stop.is_set():
-                raise Stopped
-            return self.copies[device_index], self.version
+            return self.version, self.params
 
 
-class Payload(NamedTuple):  # what an actor thread sends the learner per rollout
-    shards: list  # one Rollout per local learner device, already on that device
-    version: int  # version of the params that acted
-    scores: np.ndarray  # whole-game scores of games that ended in this rollout
-    lengths: np.ndarray
-    stats: dict  # seconds per rollout: in env.step, in the policy, in all, and the last put's wait
-
-
-def collect_rollout(envs, env, policy, params, key, state, num_steps):
-    obs, trajectory, finished = [state.obs], [], []
-    env_time = inference_time = 0.0
-    for _ in range(num_steps):
-        start = time.perf_counter()
-        action, logit, key = policy(params, state.obs, key)
-        action, logit = jax.device_get((action, logit))
-        inference_time += time.perf_counter() - start
-        start = time.perf_counter()
-        step = env_step(envs, env, action)
-        env_time += time.perf_counter() - start
-        trajectory.append((action, logit, step.reward, step.terminated, ~state.ended))
-        obs.append(step.obs)
-        state, done = track_episodes(state, step)
-        finished.append(done)
-    actions, logits, rewards, terminated, valid = (np.stack(x) for x in zip(*trajectory))
-    rollout = Rollout(np.stack(obs), actions, logits, rewards, terminated.astype(np.float32),
-                      valid.astype(np.float32))
-    scores, lengths = (np.concatenate(x) for x in zip(*finished))
-    return rollout, state, key, (scores, lengths, env_time, inference_time)
-
-
-def run_actor(args, env, store, stop, out, device_index, learner_devices, seed, key, updates):
-    """One actor thread: its own envs, acting on actor device `device_index`."""
-    envs = make_envs(args.env_id, env, args.local_num_envs, seed, args.machado)
-    policy = jax.jit(sample_action)
-    key = jax.device_put(key, store.devices[device_index])
+def actor_loop(stop, args, index, device, learner_devices, store, out, start_update, num_updates):
+    """One actor thread (paper section 4): act on `device`, ship each rollout to the learners."""
     n = args.local_num_envs
-    state = ActorState(reset_envs(envs, env, seed), np.zeros(n, bool), np.zeros(n), np.zeros(n, int))
-    queue_wait, width = 0.0, n // len(learner_devices)
-    try:
-        for update in updates:
-            # Act with params at most one update old: rollout u may start once update u-2 is done.
-            params, version = store.wait(device_index, update - 2, stop)
-            start = time.perf_counter()
-            rollout, state, key, (scores, lengths, env_time, infer_time) = collect_rollout(
-                envs, env, policy, params, key, state, args.num_steps)
-            shards = [jax.device_put(jax.tree.map(lambda x: x[:, i * width:(i + 1) * width], rollout), d)
-                      for i, d in enumerate(learner_devices)]  # split along envs, straight to learners
-            stats = {"stats/env_step_time": env_time, "stats/inference_time": infer_time,
-                     "stats/rollout_time": time.perf_counter() - start, "stats/actor_queue_wait": queue_wait}
-            start = time.perf_counter()
-            until_stopped(out.put, stop, Payload(shards, version, scores, lengths, stats))
-            queue_wait = time.perf_counter() - start
-    finally:
-        envs.close()
+    envs = Envs(args, n, args.seed + index * n)
+    key = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(args.seed), start_update), 1 + index)
+    state = ActorState(envs.reset(), jax.device_put(key, device), np.zeros(n, bool), np.zeros(n), np.zeros(n, int))
+    put_s = 0.0  # a rollout's queue wait is known only after it is sent: reported with the next
+    for update in range(start_update, num_updates):
+        start = time.perf_counter()
+        # Rollout u is collected while the learner works on rollout u - 1, so it may act with
+        # parameters version u - 1 (lag 1), which V-trace's importance weights correct for.
+        version, params = store.wait(update - 1, stop)
+        waited = time.perf_counter() - start
+        rollout, state, returns, lengths, (inference_s, env_s) = collect(envs, params[device], state, args.num_steps)
+        splits = [np.split(x, len(learner_devices), axis=1) for x in rollout]  # each learner's envs
+        parts = [jax.device_put(Rollout(*(s[i] for s in splits)), d) for i, d in enumerate(learner_devices)]
+        stats = ActorStats(returns, lengths, update - version, time.perf_counter() - start - waited,
+                           inference_s, env_s, waited, put_s)
+        start = time.perf_counter()
+        until_stopped(out.put, stop, (parts, stats))
+        put_s = time.perf_counter() - start
 
 
-def guarded(fn, stop, errors, *fn_args):
-    """A thread's body: on an exception keep its traceback and stop everything."""
+def actor_thread(stop, errors, *args):
+    """An actor thread's body: a failure keeps its traceback for the learner to print and stops the run."""
     try:
-        fn(*fn_args)
+        actor_loop(stop, *args)
     except Stopped:
         pass
     except BaseException:
@@ -553,127 +514,214 @@ def guarded(fn, stop, errors, *fn_args):
         stop.set()
 
 
+# ---- Learning (learner devices): one IMPALA update in one compiled call ---------------------
+
+class TrainState(NamedTuple):
+    params: dict
+    opt_state: optax.OptState
+
+
+def learning_rate(args, num_updates, update):
+    """The learning rate of update `update` (0 is the first): annealed linearly to 0 with --anneal-lr."""
+    return args.learning_rate * (1.0 - update / num_updates if args.anneal_lr else 1.0)
+
+
+def make_optimizer(args, num_updates):
+    """RMSProp (decay 0.99, no momentum) with global-norm clipping, as in the IMPALA paper."""
+    lr = lambda count: learning_rate(args, num_updates, count)
+    return optax.chain(optax.clip_by_global_norm(args.max_grad_norm),
+                       optax.rmsprop(lr, decay=0.99, eps=args.rmsprop_eps))
+
+
+def init_state(key, args, env, num_updates):
+    params = init_params(key, env.obs_shape, env.num_actions, args.network)
+    return TrainState(params, make_optimizer(args, num_updates).init(params))
+
+
+def learner_update(state, rollout, args, optimizer):
+    """One IMPALA update on this learner's share [T, E_l, ...] of the rollouts (inside shard_map)."""
+    grads, losses = jax.grad(impala_loss, has_aux=True)(state.params, rollout, args)
+    # Each learner's sum -> the global batch's; the losses are logged per valid step.
+    grads, losses, num_valid = jax.lax.psum((grads, losses, rollout.valid.sum()), "devices")
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    losses = jax.tree.map(lambda x: x / jnp.maximum(num_valid, 1.0), losses)
+    return TrainState(optax.apply_updates(state.params, updates), opt_state), losses
+
+
+def make_update(args, mesh, num_updates):
+    """The learner: one update on every learner device of every host, one compiled call."""
+    update = partial(learner_update, args=args, optimizer=make_optimizer(args, num_updates))
+    # check_vma=False: parameters enter replicated (P()) and the body combines the devices' gradients
+    # itself (pmean or psum); with the check on, JAX would already have summed them across devices.
+    sharded = jax.shard_map(update, mesh=mesh, in_specs=(P(), P(None, "devices")), out_specs=(P(), P()),
+                            check_vma=False)
+    return jax.jit(sharded)
+
+
+# ---- This script's flags, devices and learner loop ---------------------------------------
+
+def check_args(args):
+    """Flag checks that need no device; returns the args and the env's EnvInfo."""
+    env = describe_env(args.env_id, args.machado)
+    family = DEFAULTS["image" if len(env.obs_shape) == 3 else "vector"]
+    args = dataclasses.replace(args, **{k: v for k, v in family.items() if getattr(args, k) is None})
+    check_flags(args, counts=("total_timesteps", "num_actor_threads", "local_num_envs", "num_steps", "log_every",
+                              "checkpoint_every"),
+                unit=("gamma", "vtrace_lambda"), positive=("learning_rate", "rmsprop_eps"),
+                nonnegative=("ent_coef", "vf_coef", "max_grad_norm"))
+    if (args.network == "mlp") != (len(env.obs_shape) == 1):
+        fail(f"--network {args.network} does not fit observations of shape {env.obs_shape} (vectors take mlp, "
+             "images deep or shallow)")
+    if args.network == "shallow" and min(env.obs_shape[1:]) < 20:
+        fail(f"--network shallow takes images of at least 20x20, not observations of shape {env.obs_shape}")
+    return args, env
+
+
 class Layout(NamedTuple):
-    actor_devices: list  # this host's acting devices
-    learner_devices: list  # this host's learner devices (its shards of the mesh)
-    mesh: Mesh  # every host's learner devices, one axis "devices"
+    actor_devices: list  # this host's
+    learner_devices: list  # this host's, in mesh order
+    mesh: Mesh  # the learner devices of every host, one axis "devices"
+    num_envs: int  # envs of every actor thread of every host
 
 
-def device_layout(args):
-    devices = sorted(jax.local_devices(), key=lambda d: d.id)
-    n = len(devices)
-    actor_ids = args.actor_device_ids if args.actor_device_ids is not None else [0]
-    learner_ids = args.learner_device_ids
-    if learner_ids is None:
-        learner_ids = [0] if n == 1 else [i for i in range(n) if i not in actor_ids]
-    for flag_name, ids in (("--actor-device-ids", actor_ids), ("--learner-device-ids", learner_ids)):
-        if not ids or len(set(ids)) != len(ids) or not all(0 <= i < n for i in ids):
-            fail(f"{flag_name} {ids}: give distinct indices of the {n} local devices, 0..{n - 1}")
-    if n > 1 and set(actor_ids) & set(learner_ids):
-        fail(f"--learner-device-ids {learner_ids} must not reuse actor devices {actor_ids} when {n} devices exist")
-    if args.local_num_envs % len(learner_ids):
-        fail(f"--local-num-envs {args.local_num_envs} must be a multiple of the {len(learner_ids)} learner devices")
-    hosts = [sorted((d for d in jax.devices() if d.process_index == p), key=lambda d: d.id)
-             for p in range(jax.process_count())]
-    mesh = Mesh(np.array([host[i] for host in hosts for i in learner_ids]), ("devices",))
-    print(f"actor devices {actor_ids} x {args.num_actor_threads} threads | learner devices {learner_ids}"
-          f" | {len(hosts)} host(s), {mesh.size} learner devices in all", flush=True)
-    return Layout([devices[i] for i in actor_ids], [devices[i] for i in learner_ids], mesh)
+def pick_devices(args):
+    n = len(jax.local_devices())
+    actors = args.actor_device_ids or [0]
+    learners = args.learner_device_ids or ([i for i in range(n) if i not in actors] or [0])
+    for flag_name, ids in (("--actor-device-ids", actors), ("--learner-device-ids", learners)):
+        if not all(0 <= i < n for i in ids) or len(set(ids)) < len(ids):
+            fail(f"{flag_name} {' '.join(map(str, ids))}: give distinct indices in 0..{n - 1} (this host has "
+                 f"{n} devices)")
+    if n > 1 and set(actors) & set(learners):
+        fail(f"--learner-device-ids {' '.join(map(str, learners))} share a device with --actor-device-ids "
+             f"{' '.join(map(str, actors))}; with {n} devices give each role its own")
+    hosts = [[d for d in jax.devices() if d.process_index == p] for p in range(jax.process_count())]
+    mesh = Mesh(np.array([host[i] for host in hosts for i in learners]), ("devices",))
+    mine = hosts[jax.process_index()]
+    num_envs = jax.process_count() * len(actors) * args.num_actor_threads * args.local_num_envs
+    return Layout([mine[i] for i in actors], [mine[i] for i in learners], mesh, num_envs)
 
 
-def to_learner_batch(payloads, sharding):
-    """This host's rollouts -> one global batch sharded along envs over the whole mesh."""
-    per_device = [jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=1), *shards) if len(shards) > 1
-                  else shards[0] for shards in zip(*(p.shards for p in payloads))]
+def check_sizes(args, layout, env):
+    """Counts that must divide or fit; returns the number of updates."""
+    n_learners = len(layout.learner_devices)
+    if args.local_num_envs % n_learners:
+        fail(f"--local-num-envs {args.local_num_envs} must divide evenly across {n_learners} learner devices")
+    check_seed(args.seed, 2**31 - layout.num_envs + 1)  # env i of the run is seeded with seed + i
+    # Each actor thread holds a rollout it collects, one in its queue and one being learned from.
+    threads = len(layout.actor_devices) * args.num_actor_threads
+    obs_bytes = np.prod(env.obs_shape) * (1 if env.atari else 4)  # uint8 frames, else floats
+    check_fits(3 * threads * (args.num_steps + 1) * args.local_num_envs * obs_bytes,
+               f"the rollouts of {threads} actor threads x --local-num-envs {args.local_num_envs}")
+    batch = args.num_steps * layout.num_envs
+    if args.total_timesteps < batch:
+        fail(f"--total-timesteps {args.total_timesteps} is less than one update ({batch:,} steps = "
+             f"--num-steps {args.num_steps} x {layout.num_envs} envs)")
+    return args.total_timesteps // batch
 
-    def global_array(*pieces):
-        shape = (pieces[0].shape[0], pieces[0].shape[1] * sharding.mesh.size, *pieces[0].shape[2:])
-        return jax.make_array_from_single_device_arrays(shape, sharding, list(pieces))
 
-    return jax.tree.map(global_array, *per_device)
+def assemble(parts, layout):
+    """One global Rollout [T, all envs, ...] from the actor threads' parts on the learner devices."""
+    per_device = [jax.tree.map(lambda *x: jnp.concatenate(x, axis=1), *[p[i] for p in parts])
+                  for i in range(len(layout.learner_devices))]
+    sharding = NamedSharding(layout.mesh, P(None, "devices"))
+
+    def glue(*shards):
+        shape = (shards[0].shape[0], shards[0].shape[1] * layout.mesh.size, *shards[0].shape[2:])
+        return jax.make_array_from_single_device_arrays(shape, sharding, list(shards))
+
+    return jax.tree.map(glue, *per_device)
+
+
+def local(tree):
+    """This host's copy of replicated global arrays."""
+    return jax.tree.map(lambda x: x.addressable_shards[0].data, tree)
+
+
+def to_actors(params, layout):
+    return {d: jax.device_put(local(params), d) for d in layout.actor_devices}
 
 
 class Loop(NamedTuple):
     """What the learner loop works with besides its state."""
-    learn: object  # the jitted update
+    layout: Layout
+    update: object  # the compiled learner update
     queues: list  # one bounded queue per local actor thread
     store: ParamStore
-    stop: threading.Event  # set by a failing thread, and at the end
-    sharding: NamedSharding  # of a global batch: envs split over the mesh
+    stop: threading.Event  # set by a failing actor thread
     caught: list  # stop signals caught (catch_stop_signals)
     run: object  # the run folder's Run
-    steps_per_update: int
 
 
-def checkpoint(run, state, update, key, steps_per_update):  # the learner state, the count, the run's RNG key
+def checkpoint(run, state, update, layout, args):
     if run.checkpoint is None:  # not process 0: the state is replicated, so nothing to fetch
         return
-    save(run.checkpoint, {"state": jax.device_get(jax.tree.map(local, state)), "update": np.int64(update),
-                          "global_step": np.int64(update * steps_per_update), "key": jax.random.key_data(key)})
+    host = jax.device_get(local(state))
+    save(run.checkpoint, {"state": host, "update": np.int64(update),
+                          "global_step": np.int64(update * args.num_steps * layout.num_envs)})
 
 
-def learner_loop(args, loop, state, key, start_update, num_updates):
-    """The learner (main thread): one update per set of rollouts, new params to the actors. Returns
-    the state, the updates done, the last metrics row and the stop signal (0: none)."""
-    window, row, since, per_update = defaultdict(list), {}, time.time(), loop.steps_per_update
-    beat = watch_peers(loop.run)
+def report(args, loop, window, update, num_updates, eta):
+    """Write a metrics row (CleanRL's names) for the log window, print the progress line; returns the row."""
+    batch, stats, mean = args.num_steps * loop.layout.num_envs, window["actors"], lambda xs: float(np.mean(xs))
+    sps = len(window["learner_time"]) * batch / (time.perf_counter() - window["start"])
+    row = {"global_step": update * batch, "update": update, "charts/SPS": sps,
+           "charts/learning_rate": learning_rate(args, num_updates, update - 1),  # the last update's
+           "stats/param_lag": max(s.lag for s in stats),
+           **{f"losses/{k}": mean(v) for k, v in zip(Losses._fields, zip(*window["losses"]))},
+           **{f"stats/{k}": mean([getattr(s, k) for s in stats])
+              for k in ("rollout_time", "inference_time", "env_step_time", "actor_params_wait", "actor_queue_wait")},
+           **{f"stats/{k}": mean(window[k]) for k in ("learner_queue_wait", "learner_time")}}
+    returns = [r for s in stats for r in s.returns]
+    if returns:
+        row["charts/episodic_return"] = mean(returns)
+        row["charts/episodic_length"] = mean([n for s in stats for n in s.lengths])
+    log(loop.run, row, update, num_updates, num_updates * batch, eta)
+    return row
+
+
+def learn(args, loop, state, start_update, num_updates):
+    """The learner loop (main thread): update u turns rollout u - 1 into parameters version u. Returns
+    the state, the number of updates done, the last metrics row and the stop signal (0: none)."""
+    new_window = lambda: {"start": time.perf_counter(), "actors": [], "losses": [], "learner_queue_wait": [],
+                          "learner_time": []}
+    row, window, t_start, beat = {}, new_window(), time.perf_counter(), watch_peers(loop.run)
     for update in range(start_update + 1, num_updates + 1):
         beat()
         if signum := stop_signal(loop.caught):
             return state, update - 1, row, signum
         start = time.perf_counter()
-        payloads = [until_stopped(q.get, loop.stop) for q in loop.queues]
-        waited = time.perf_counter() - start
-        state, info = loop.learn(state, to_learner_batch(payloads, loop.sharding))
-        info = LossInfo(*(float(local(x)) for x in info))  # waits for the update
-        check_finite(info._asdict(), update, loop.run)
-        loop.store.publish(state.params, update)
-        record(window, payloads, info, update, {"stats/learner_queue_wait": waited,
-                                                "stats/learner_time": time.perf_counter() - start - waited})
-        # Also log the run's first update: on a CPU an Atari update takes a while, so show life early.
+        items = [until_stopped(q.get, loop.stop) for q in loop.queues]
+        window["learner_queue_wait"].append(time.perf_counter() - start)
+        start = time.perf_counter()
+        state, losses = loop.update(state, assemble([parts for parts, _ in items], loop.layout))
+        loop.store.publish(update, to_actors(state.params, loop.layout))
+        losses = jax.device_get(local(losses))
+        window["learner_time"].append(time.perf_counter() - start)
+        check_finite({k: float(v) for k, v in losses._asdict().items()}, update, loop.run)
+        window["losses"].append(losses)
+        window["actors"] += [stats for _, stats in items]
+        # The run's first update is logged too: on a CPU an Atari update takes a while.
         if update % args.log_every == 0 or update in (start_update + 1, num_updates):
-            lr = args.learning_rate * (1 - (update - 1) / num_updates if args.anneal_lr else 1.0)
-            seconds = (time.time() - since) / len(window["losses/loss"])
-            row = {"global_step": update * per_update, "update": update, "charts/learning_rate": lr,
-                   "charts/SPS": per_update / seconds,
-                   **{name: float(np.max(v) if name == "stats/param_lag" else np.mean(v))
-                      for name, v in window.items() if len(v)}}
-            log(loop.run, row, update, num_updates, num_updates * per_update, (num_updates - update) * seconds)
-            window, since = defaultdict(list), time.time()
+            per_update = (time.perf_counter() - t_start) / (update - start_update)
+            row = report(args, loop, window, update, num_updates, (num_updates - update) * per_update)
+            window = new_window()
         if update % args.checkpoint_every == 0:
-            checkpoint(loop.run, state, update, key, per_update)
+            checkpoint(loop.run, state, update, loop.layout, args)
     return state, num_updates, row, 0
 
 
-# ---------------------------------------------------------------------------------------
-# This script's flag checks and metrics.
-
-
-def check_args(args):
-    """Fill the per-family defaults and check every flag; returns the args and the env's EnvInfo."""
-    env = describe_env(args.env_id, args.machado)
-    family = DEFAULTS["image" if len(env.obs_shape) == 3 else "vector"]
-    args = dataclasses.replace(args, **{k: v for k, v in family.items() if getattr(args, k) is None})
-    check_flags(args, counts=("total_timesteps", "local_num_envs", "num_steps", "num_actor_threads", "log_every",
-                              "checkpoint_every"),
-                unit=("gamma", "vtrace_lambda"), positive=("learning_rate", "rmsprop_eps"),
-                nonnegative=("ent_coef", "vf_coef", "max_grad_norm"))
-    if args.network == "shallow" and (len(env.obs_shape) != 3 or min(env.obs_shape[1:]) < 20):
-        fail(f"--network shallow takes images of at least 20x20, not observations of shape {env.obs_shape}")
-    return args, env
-
-
-def record(window, payloads, info, update, learner_stats):
-    """Add one update to the log window. stats/param_lag is the learner's params version minus
-    the acting params' version (at most 1)."""
-    for name, value in [*info._asdict().items(), *learner_stats.items()]:
-        window[name if "/" in name else f"losses/{name}"].append(value)
-    for p in payloads:
-        window["charts/episodic_return"].extend(p.scores)
-        window["charts/episodic_length"].extend(p.lengths)
-        window["stats/param_lag"].append(update - 1 - p.version)
-        for name, value in p.stats.items():
-            window[name].append(value)
+def start_actors(args, layout, store, stop, errors, start_update, num_updates):
+    """This host's actor threads, each with its own bounded queue (read by the learner in a fixed order)."""
+    queues = [queue.Queue(maxsize=1) for _ in range(len(layout.actor_devices) * args.num_actor_threads)]
+    devices = [d for d in layout.actor_devices for _ in range(args.num_actor_threads)]
+    first = jax.process_index() * len(queues)  # global thread indices: env seeds differ across hosts
+    threads = [threading.Thread(target=actor_thread, name=f"actor{first + i}", daemon=True, args=(
+        stop, errors, args, first + i, device, layout.learner_devices, store, q, start_update, num_updates))
+        for i, (device, q) in enumerate(zip(devices, queues))]
+    for t in threads:
+        t.start()
+    return queues, threads
 
 
 # ---- Plumbing: the same text in all four scripts (tests/test_plumbing.py keeps it so) ----
@@ -938,86 +986,54 @@ def checksum(params):
     return digest.hexdigest()
 
 
-# ---------------------------------------------------------------------------------------
-# The run.
+# ---- The run: actor threads feed the learner (main thread) through bounded queues ---------
 
-
-def main(args: Args) -> dict:
+def main(args):
     caught = catch_stop_signals()
     args, env = check_args(args)
     start_distributed(args)
-    layout = device_layout(args)
-    pid, hosts = jax.process_index(), jax.process_count()
-    threads_per_host = len(layout.actor_devices) * args.num_actor_threads
-    check_seed(args.seed, 2**31 - threads_per_host * hosts * args.local_num_envs + 1)  # env i: seed + i
-    # Each actor thread holds a rollout it collects, one in its queue and one being learned from.
-    obs_bytes = np.prod(env.obs_shape) * (1 if env.atari else 4)
-    check_fits(3 * threads_per_host * (args.num_steps + 1) * args.local_num_envs * obs_bytes,
-               f"the rollouts of {threads_per_host} actor threads x --local-num-envs {args.local_num_envs}")
-    steps_per_update = args.num_steps * args.local_num_envs * threads_per_host * hosts
-    num_updates = args.total_timesteps // steps_per_update
-    if num_updates < 1:
-        fail(f"--total-timesteps {args.total_timesteps:,} is less than one update: {steps_per_update:,} steps")
-
-    # The learner's state, replicated over the mesh (every host builds the same one from the seed).
-    optimizer = make_optimizer(args, num_updates)
-    key = jax.random.key(args.seed)
-
-    def build():
-        params = init_params(key, env.obs_shape, env.num_actions, args.network)
-        return TrainState(params, optimizer.init(params))
-
+    layout = pick_devices(args)
+    num_updates = check_sizes(args, layout, env)
+    key = jax.random.PRNGKey(args.seed)
     start_update = 0
+    init = partial(init_state, args=args, env=env, num_updates=num_updates)
     if args.resume:  # checked against this run's shapes before anything compiles
-        template = {"state": jax.eval_shape(build), "update": np.int64(0), "global_step": np.int64(0),
-                    "key": jax.random.key_data(key)}
+        template = {"state": jax.eval_shape(init, key), "update": np.int64(0), "global_step": np.int64(0)}
         ckpt = load(args.resume, template, num_updates, "same --env-id and --network?")
-        host_state, start_update, key = ckpt["state"], int(ckpt["update"]), jax.random.wrap_key_data(ckpt["key"])
+        host_state, start_update = ckpt["state"], int(ckpt["update"])
     else:
-        host_state = jax.device_get(build())
+        host_state = jax.device_get(init(key))
     run = open_run(args)
-    replicated = NamedSharding(layout.mesh, P())
-    state = jax.tree.map(lambda x: jax.make_array_from_callback(np.shape(x), replicated, lambda i: np.asarray(x)[i]),
-                         host_state)
-
-    # Actor threads: each has its envs, a bounded queue to the learner and a seed of its own.
-    store, stop, errors = ParamStore(layout.actor_devices), threading.Event(), []
-    store.publish(state.params, start_update)
-    queues, threads = [], []
-    updates, actor_key = range(start_update + 1, num_updates + 1), jax.random.fold_in(key, start_update)
-    for t in range(threads_per_host):
-        index = pid * threads_per_host + t  # this thread across all hosts
-        queues.append(queue.Queue(maxsize=1))
-        thread_args = (args, env, store, stop, queues[-1], t // args.num_actor_threads, layout.learner_devices,
-                       args.seed + index * args.local_num_envs, jax.random.fold_in(actor_key, index), updates)
-        threads.append(threading.Thread(target=guarded, args=(run_actor, stop, errors, *thread_args),
-                                        name=f"actor{t}", daemon=True))
-        threads[-1].start()
-
-    loop = Loop(make_learner(args, layout.mesh, optimizer), queues, store, stop,
-                NamedSharding(layout.mesh, P(None, "devices")), caught, run, steps_per_update)
+    replicated = NamedSharding(layout.mesh, P())  # on every learner device of every host
+    state = jax.tree.map(lambda a: jax.make_array_from_callback(a.shape, replicated, lambda i: a[i]), host_state)
+    stop, store, errors = threading.Event(), ParamStore(), []
+    store.publish(start_update, to_actors(state.params, layout))
+    queues, threads = start_actors(args, layout, store, stop, errors, start_update, num_updates)
+    print(f"{args.env_id}: {num_updates} updates of {args.num_steps * layout.num_envs:,} steps; actor devices "
+          f"{[d.id for d in layout.actor_devices]} x {args.num_actor_threads} threads x {args.local_num_envs} envs; "
+          f"learner devices {[d.id for d in layout.learner_devices]} ({layout.mesh.size} on {jax.process_count()} "
+          "host(s))", flush=True)
+    loop = Loop(layout, make_update(args, layout.mesh, num_updates), queues, store, stop, caught, run)
     try:
-        state, update, row, signum = learner_loop(args, loop, state, key, start_update, num_updates)
+        state, update, row, signum = learn(args, loop, state, start_update, num_updates)
     except jax.errors.JaxRuntimeError as e:
-        if hosts == 1:
+        if jax.process_count() == 1:
             raise
         lost_peer(e, run)
-    except BaseException:  # a failed actor thread (Stopped) or the learner itself
-        stop.set()
-        for thread in threads:
-            thread.join(timeout=5)
-        print("".join(errors) or traceback.format_exc(), file=sys.stderr, flush=True)
+    except Stopped:  # an actor thread failed: its traceback, then exit status 1
+        print("".join(errors), file=sys.stderr, flush=True)
         exit_now(1, run)
-    stop.set()
-    for thread in threads:
-        thread.join(timeout=30)
-    checkpoint(run, state, update, key, steps_per_update)
+    finally:
+        stop.set()  # the actor threads end
+    for t in threads:
+        t.join(timeout=10)
+    checkpoint(run, state, update, layout, args)
     if signum:
         stopped(signum, update, run)
     close(run)
     row["checksum"] = checksum(state.params)
     print(f"checksum {row['checksum']}", flush=True)
-    return {**row, "run_dir": str(run.folder)}
+    return row
 
 
 if __name__ == "__main__":

@@ -1,23 +1,23 @@
-"""Sebulba PPO on Atari: the Podracer paper's actor/learner split (Hessel et al. 2021, section 4)
+"""Sebulba PPO: the Podracer paper's actor/learner split (Hessel et al. 2021, section 4)
 running the PPO Atari recipe (Schulman et al. 2017; the CleanRL/Cleanba settings).
 
-Atari runs on the host CPU (envpool), so acting and learning run on separate devices: actor
-threads step envpool with a jitted policy; the learner, one `jit` + `shard_map` over the learner
-devices of every host, runs all PPO epochs and minibatches and sends new parameters back.
+Environments run on the host CPU, so acting and learning run on separate devices: actor threads
+step their envs with a jitted policy; the learner, one `jit` + `shard_map` over the learner devices
+of every host, runs the update and sends new parameters back. Atari only (envpool `*-v5` ids); for
+other envs see sebulba_impala.py.
 
     host CPU (per host)                 actor device(s)              learner devices (all hosts)
     -------------------                 ---------------              ---------------------------
-    actor thread k: envpool batch  -->  act(params, obs): sample,
+    actor thread k: env batch      -->  act(params, obs): sample,
       (--local-num-envs envs)      <--  log-prob, value (jit)
       --num-steps steps, then the rollout [T, E, ...] is split along E
                                    ------------------------------>  learner 0 | learner 1 | ...
                                         (device_put, bounded queue)  GAE, then epochs x minibatches
                                                                      of PPO, grads psum'd over all
                                    <------------------------------  new params (one update later)
-    Actors act with parameters at most one update old (--no-policy-lag: the newest). The loss is
-    decoupled PPO (Hilton et al. 2021): the clip window is centred on the learner's parameters at the
-    start of the update, and the acting-time log-probs only reweight the samples, so samples the lag
-    has already pushed outside a window centred on the actor's policy still teach something.
+    Actors act with parameters at most one update old (logged as stats/param_lag; --no-policy-lag:
+    the newest). Decoupled PPO's loss (Hilton et al. 2021) still learns from the samples the lag
+    has pushed outside PPO's clip window (see decoupled_surrogate).
 
 Examples:
     python sebulba_ppo_atari.py --env-id Breakout-v5
@@ -75,7 +75,7 @@ class Args:
     num_actor_threads: int = 2
     """Python actor threads per actor device: one steps its envs while another runs inference"""
     local_num_envs: int = 16
-    """envs per actor thread (one envpool batch, one policy call per step)"""
+    """envs per actor thread (one env batch, one policy call per step)"""
     num_steps: int = 128
     """rollout length per env per update"""
     gamma: float = 0.99
@@ -120,58 +120,113 @@ class Args:
 
 def atari_kwargs(machado):
     """The PPO paper's protocol: a lost life ends a training episode, rewards clipped to their
-    sign, 30 no-op starts (frame skip 4, 4-frame stack, 84x84 grey are envpool's defaults).
-    Returns stay the unclipped whole-game score either way (info["reward"], all lives)."""
+    sign, 30 no-op starts (frame skip 4, 4-frame stack, 84x84 grey are envpool's defaults)."""
     if machado:  # Machado et al. 2018: stochasticity from sticky actions instead of no-ops
-        # noop_max=1 means no no-op starts (Cleanba does the same): envpool 1.2.5 segfaults at the
-        # first reset with noop_max=0.
+        # noop_max=1 means no no-op starts: envpool 1.2.5 crashes at reset with noop_max=0.
         return dict(episodic_life=False, reward_clip=True, noop_max=1,
                     repeat_action_probability=0.25, full_action_space=True)
     return dict(episodic_life=True, reward_clip=True, noop_max=30)
 
 
-def make_envs(args, num_envs, seed):
-    return envpool.make(args.env_id, env_type="gymnasium", num_envs=num_envs, seed=seed,
-                        num_threads=max(1, min(num_envs, os.cpu_count() or 1)), **atari_kwargs(args.machado))
+class EnvInfo(NamedTuple):
+    obs_shape: tuple  # images are [C, H, W], envpool's layout
+    num_actions: int
+
+
+def describe_env(env_id, machado):
+    """Check the id is an envpool Atari game before any env is stepped."""
+    specs = envpool.registration.registry.specs
+    atari = sorted(i for i, s in specs.items() if s[0] == "envpool.atari" and i.endswith("-v5"))
+    if env_id not in atari:
+        if env_id in specs:
+            fail(f"--env-id {env_id!r} is not an Atari -v5 game; this file trains Atari only "
+                 "(sebulba_impala.py runs any envpool or gymnasium env)")
+        close = difflib.get_close_matches(env_id, atari, n=3, cutoff=0.5)
+        fail(f"--env-id {env_id!r} is not an envpool Atari id"
+             + (f"; did you mean {', '.join(map(repr, close))}?" if close else "; e.g. 'Breakout-v5', 'Pong-v5'"))
+    spec = envpool.make_spec(env_id, **atari_kwargs(machado))
+    return EnvInfo(spec.observation_space.shape, spec.action_space.n)
+
+
+class Step(NamedTuple):
+    obs: np.ndarray  # [E, *obs_shape] the next observation
+    reward: np.ndarray  # [E] the training reward (Atari: clipped to [-1, 1])
+    terminated: np.ndarray  # [E] the episode ended for training (Atari: a life lost too): no bootstrap
+    ended: np.ndarray  # [E] terminated or truncated: the next step is the env's reset step
+    score: np.ndarray  # [E] the game's own reward (Atari: unclipped)
+    game_over: np.ndarray  # [E] the whole game ended (Atari: its last life) or was truncated
+
+
+class Envs:
+    """One actor thread's batch of envs: reset() -> obs, step(actions) -> Step."""
+
+    def __init__(self, args, num_envs, seed):
+        self.pool = envpool.make(args.env_id, env_type="gymnasium", num_envs=num_envs, seed=seed,
+                                 num_threads=max(1, min(num_envs, os.cpu_count() or 1)), **atari_kwargs(args.machado))
+
+    def reset(self):
+        return self.pool.reset()[0]
+
+    def step(self, actions):
+        obs, reward, terminated, truncated, info = self.pool.step(actions)
+        score, game_over = info["reward"], info["terminated"].astype(bool) | truncated  # the whole game's
+        return Step(obs, reward.astype(np.float32), terminated, terminated | truncated, score, game_over)
 
 
 # ---- The network: Nature DQN CNN (Mnih et al. 2015), orthogonal init as in PPO ------------
 
-CONVS = ((8, 4, 32), (4, 2, 64), (3, 1, 64))  # (kernel, stride, channels)
+CONVS = ((32, 8, 4), (64, 4, 2), (64, 3, 1))  # (channels, kernel, stride), "VALID" padding
 
 
-def init_params(key, num_actions):
-    keys, ortho = jax.random.split(key, len(CONVS) + 3), jax.nn.initializers.orthogonal
-    layer = lambda key, shape, scale: {"w": ortho(scale)(key, shape), "b": jnp.zeros(shape[-1])}
-    params = {f"conv{i}": layer(keys[i], (k, k, c_in, c_out), np.sqrt(2))
-              for i, ((k, _, c_out), c_in) in enumerate(zip(CONVS, (4, 32, 64)))}  # 4 stacked frames in
-    params["hidden"] = layer(keys[-3], (7 * 7 * 64, 512), np.sqrt(2))
-    params["policy"] = layer(keys[-2], (512, num_actions), 0.01)  # near-uniform first policy
-    params["value"] = layer(keys[-1], (512, 1), 1.0)
-    return params
+def dense_init(key, n_in, n_out, scale):
+    return {"w": jax.nn.initializers.orthogonal(scale)(key, (n_in, n_out)), "b": jnp.zeros(n_out)}
 
 
-def to_float(obs):
-    """uint8 pixels scaled to [0, 1]; bool or float observations enter as they are."""
-    x = obs.astype(jnp.float32)
+def conv_init(key, c_in, c_out, size):
+    return {"w": jax.nn.initializers.orthogonal(np.sqrt(2))(key, (size, size, c_in, c_out)), "b": jnp.zeros(c_out)}
+
+
+def init_params(key, num_actions, obs_shape=(4, 84, 84)):
+    keys, torso = iter(jax.random.split(key, len(CONVS) + 3)), {}  # one key per layer, the two heads included
+    c_in, (h, w) = obs_shape[0], obs_shape[1:]
+    for i, (c, size, stride) in enumerate(CONVS):
+        torso[f"conv{i}"] = conv_init(next(keys), c_in, c, size)
+        c_in, h, w = c, (h - size) // stride + 1, (w - size) // stride + 1
+    torso["dense"], hidden = dense_init(next(keys), h * w * c_in, 512, np.sqrt(2)), 512
+    return {"torso": torso, "policy": dense_init(next(keys), hidden, num_actions, 0.01),  # near-uniform first policy
+            "value": dense_init(next(keys), hidden, 1, 1.0)}
+
+
+def dense(p, x):
+    return x @ p["w"] + p["b"]
+
+
+def conv(p, x, stride=1, padding="SAME"):  # x [N, H, W, C]
+    return jax.lax.conv_general_dilated(x, p["w"], (stride, stride), padding,
+                                        dimension_numbers=("NHWC", "HWIO", "NHWC")) + p["b"]
+
+
+def image_input(obs):  # [N, C, H, W] -> [N, H, W, C] float: uint8 frames scaled to [0, 1], others as they are
+    x = jnp.transpose(obs, (0, 2, 3, 1)).astype(jnp.float32)
     return x / 255.0 if obs.dtype == jnp.uint8 else x
 
 
 def apply(params, obs):
-    """Logits [B, A] and values [B] of frame stacks [B, 4, 84, 84]."""
-    x = to_float(jnp.transpose(obs, (0, 2, 3, 1)))  # NHWC
-    for i, (_, stride, _) in enumerate(CONVS):
-        layer = params[f"conv{i}"]
-        x = jax.lax.conv_general_dilated(x, layer["w"], (stride, stride), "VALID",
-                                         dimension_numbers=("NHWC", "HWIO", "NHWC"))
-        x = jax.nn.relu(x + layer["b"])
-    x = jax.nn.relu(x.reshape(x.shape[0], -1) @ params["hidden"]["w"] + params["hidden"]["b"])
-    logits = x @ params["policy"]["w"] + params["policy"]["b"]
-    return logits, (x @ params["value"]["w"] + params["value"]["b"])[:, 0]
+    """obs [N, 4, 84, 84] -> (policy logits [N, A], value [N])."""
+    x, torso = image_input(obs), params["torso"]
+    for i, (_, _, stride) in enumerate(CONVS):
+        x = jax.nn.relu(conv(torso[f"conv{i}"], x, stride, "VALID"))
+    x = jax.nn.relu(dense(torso["dense"], x.reshape(x.shape[0], -1)))
+    return dense(params["policy"], x), dense(params["value"], x)[:, 0]
 
 
 def log_prob(logits, actions):
-    return jnp.take_along_axis(jax.nn.log_softmax(logits), actions[:, None], -1)[:, 0]
+    return jnp.take_along_axis(jax.nn.log_softmax(logits), actions[..., None], -1)[..., 0]
+
+
+def entropy(logits):
+    logp = jax.nn.log_softmax(logits)
+    return -(jnp.exp(logp) * logp).sum(-1)
 
 
 # ---- The loss: GAE (Schulman et al. 2016) and PPO's clipped objective (2017), decoupled ---
@@ -229,11 +284,6 @@ def clipped_value_loss(values, old_values, returns, clip):
     return 0.5 * jnp.maximum((values - returns) ** 2, (clipped - returns) ** 2)
 
 
-def entropy(logits):
-    logp = jax.nn.log_softmax(logits)
-    return -(jnp.exp(logp) * logp).sum(-1)
-
-
 class Samples(NamedTuple):
     """Flattened [N] learning samples on one learner."""
     obs: jax.Array  # [N, 4, 84, 84] uint8
@@ -246,7 +296,7 @@ class Samples(NamedTuple):
     prox_logprobs: jax.Array | None = None  # log pi_prox, filled in by learner_update
 
 
-class Metrics(NamedTuple):
+class Losses(NamedTuple):
     policy_loss: jax.Array
     value_loss: jax.Array
     entropy: jax.Array
@@ -267,47 +317,57 @@ def ppo_loss(params, mb, args, axis_name):
     advantages = normalize(mb.advantages, mb.mask, axis_name)
     n = jax.lax.psum(mb.mask.sum(), axis_name)
     share = lambda x: (x * mb.mask).sum() / n
-    metrics = Metrics(
+    losses = Losses(
         share(decoupled_surrogate(logp, mb.prox_logprobs, mb.logprobs, advantages, args.clip_coef)),
         share(clipped_value_loss(values, mb.values, mb.returns, args.clip_coef)),
         share(entropy(logits)),
         share(jax.lax.stop_gradient((ratio - 1) - log_ratio)),  # the low-variance KL estimate
         share(outside(ratio)),
         share(outside(jnp.exp(logp - mb.logprobs))))
-    loss = metrics.policy_loss - args.ent_coef * metrics.entropy + args.vf_coef * metrics.value_loss
-    return loss, metrics
+    loss = losses.policy_loss - args.ent_coef * losses.entropy + args.vf_coef * losses.value_loss
+    return loss, losses
 
 
 # ---- Acting (actor devices) ------------------------------------------------------------
 
 @jax.jit
 def act(params, obs, key):
-    """Sample actions on the actor device; return them with their log-probs and values."""
+    """Sample actions on the actor device; return them with what the learner needs of them."""
     key, sub = jax.random.split(key)
     logits, values = apply(params, obs)
     actions = jax.random.categorical(sub, logits)
-    return actions, log_prob(logits, actions), values, key
+    return actions, (log_prob(logits, actions), values), key
 
 
 class Rollout(NamedTuple):
     """One actor thread's `--num-steps` transitions; split along E onto the learners."""
     obs: np.ndarray  # [T, E, 4, 84, 84] uint8
     actions: np.ndarray  # [T, E]
-    logprobs: np.ndarray  # [T, E]
+    logprobs: np.ndarray  # [T, E] of the behaviour policy mu (the actor's parameters)
     values: np.ndarray  # [T + 1, E], the last one V of the bootstrap observation
-    rewards: np.ndarray  # [T, E], clipped to their sign
-    terminated: np.ndarray  # [T, E], life loss too (unless --machado)
-    dones: np.ndarray  # [T, E], terminated or truncated
-    valid: np.ndarray  # [T, E], False on the autoreset step after a done
+    rewards: np.ndarray  # [T, E]
+    terminated: np.ndarray  # [T, E] 1.0: the episode ended after step t, no bootstrap
+    dones: np.ndarray  # [T, E] terminated or truncated
+    valid: np.ndarray  # [T, E] 0.0: step t is the env's reset step after an episode's end
 
 
-class ActorCarry(NamedTuple):
-    """What an actor thread carries from one rollout into the next."""
-    obs: np.ndarray  # [E, 4, 84, 84], the bootstrap observation of the last rollout
-    key: jax.Array
-    prev_done: np.ndarray  # [E], so the next step is envpool's autoreset step
-    game_return: np.ndarray  # [E], unclipped score of the game in progress, all lives
-    game_length: np.ndarray  # [E]
+def to_rollout(steps, state, params):
+    """The rollout of `collect`'s steps; the actor state after them gives the bootstrap value."""
+    obs, actions, (logprobs, values), rewards, terminated, dones, valid = steps
+    _, (_, bootstrap), key = act(params, state.obs, state.key)
+    values = np.concatenate([values, np.asarray(bootstrap)[None]])
+    flags = (x.astype(np.float32) for x in (terminated, dones, valid))
+    rollout = Rollout(obs, actions, logprobs, values, rewards, *flags)
+    return rollout, state._replace(key=key)
+
+
+class ActorState(NamedTuple):
+    """What an actor thread carries from one step, and one rollout, to the next."""
+    obs: np.ndarray  # [E, *obs_shape] the observation to act on
+    key: jax.Array  # on the actor device
+    ended: np.ndarray  # [E] obs is an episode's last: the next step is the env's reset step
+    game_return: np.ndarray  # [E] score of the game in progress (Atari: unclipped, all lives)
+    game_length: np.ndarray  # [E] agent steps of the game in progress
 
 
 class ActorStats(NamedTuple):
@@ -316,34 +376,44 @@ class ActorStats(NamedTuple):
     lag: int  # updates between the acting parameters and the learner's
     rollout_time: float  # seconds per rollout, of which:
     inference_time: float  # the policy, including fetching its actions
-    env_step_time: float  # envpool's step
+    env_step_time: float  # the envs' step
     actor_params_wait: float  # seconds waiting for parameters recent enough
     actor_queue_wait: float  # seconds the previous rollout waited for room in the queue
 
 
-def collect(envs, params, carry, num_steps):
-    """Step the envs `num_steps` times with the policy: (Rollout, ActorCarry, returns, lengths, times)."""
+def collect(envs, params, state, num_steps):
+    """Step the envs `num_steps` times with the policy: (Rollout, ActorState, returns, lengths, times)."""
     steps, returns, lengths, inference_s, env_s = [], [], [], 0.0, 0.0
     for _ in range(num_steps):
         t0 = time.perf_counter()
-        action, logprob, value, key = act(params, carry.obs, carry.key)
-        action, logprob, value = jax.device_get((action, logprob, value))
+        actions, out, key = act(params, state.obs, state.key)
+        actions, out = jax.device_get((actions, out))
         t1 = time.perf_counter()
-        obs, reward, terminated, truncated, info = envs.step(action)
+        step = envs.step(actions)
         inference_s, env_s = inference_s + t1 - t0, env_s + time.perf_counter() - t1
-        valid = ~carry.prev_done
-        game_return, game_length = carry.game_return + info["reward"], carry.game_length + valid
-        game_over = info["terminated"].astype(bool) | truncated
-        returns += game_return[game_over].tolist()
-        lengths += game_length[game_over].tolist()
-        done = terminated | truncated
-        steps.append((carry.obs, action, logprob, value, reward, terminated, done, valid))
-        carry = ActorCarry(obs, key, done, np.where(game_over, 0.0, game_return), np.where(game_over, 0, game_length))
-    _, _, bootstrap, key = act(params, carry.obs, carry.key)
-    obs, actions, logprobs, values, *floats = (np.stack(x) for x in zip(*steps))
-    values = np.concatenate([values, np.asarray(bootstrap)[None]])
-    rollout = Rollout(obs, actions, logprobs, values, *(x.astype(np.float32) for x in floats))
-    return rollout, carry._replace(key=key), returns, lengths, (inference_s, env_s)
+        steps.append((state.obs, actions, out, step.reward, step.terminated, step.ended, ~state.ended))
+        # A reset step (after any episode end, a life lost included) ignores the action: no step of a game.
+        game_return, game_length = state.game_return + step.score, state.game_length + ~state.ended
+        returns += game_return[step.game_over].tolist()
+        lengths += game_length[step.game_over].tolist()
+        state = ActorState(step.obs, key, step.ended, np.where(step.game_over, 0.0, game_return),
+                           np.where(step.game_over, 0, game_length))
+    rollout, state = to_rollout(jax.tree.map(lambda *x: np.stack(x), *steps), state, params)
+    return rollout, state, returns, lengths, (inference_s, env_s)
+
+
+class Stopped(Exception):
+    """The run is stopping (an actor thread failed): whoever waits gives up."""
+
+
+def until_stopped(op, stop, *op_args):
+    """`q.put` or `q.get` on a bounded queue: wait, but never past a stop."""
+    while not stop.is_set():
+        try:
+            return op(*op_args, timeout=0.5)
+        except (queue.Full, queue.Empty):
+            pass
+    raise Stopped
 
 
 class ParamStore:
@@ -358,54 +428,46 @@ class ParamStore:
             self.cond.notify_all()
 
     def wait(self, min_version, stop):
-        """(version, params) once version >= min_version; None if the run stops first."""
-        while not stop.is_set():
-            with self.cond:
-                if self.cond.wait_for(lambda: self.version >= min_version, timeout=0.5):
-                    return self.version, self.params
-        return None
-
-
-def put(q, item, stop):
-    """Put on a bounded queue without ever blocking past a stop (the actor then ends at its next wait)."""
-    while not stop.is_set():
-        try:
-            return q.put(item, timeout=0.5)
-        except queue.Full:
-            continue
+        """(version, params) once version >= min_version."""
+        with self.cond:
+            while self.version < min_version:
+                if stop.is_set():
+                    raise Stopped
+                self.cond.wait(timeout=0.5)
+            return self.version, self.params
 
 
 def actor_loop(stop, args, index, device, learner_devices, store, out, start_update, num_updates):
     """One actor thread (paper section 4): act on `device`, ship each rollout to the learners."""
     n = args.local_num_envs
-    envs = make_envs(args, n, args.seed + index * n)
-    key = jax.device_put(jax.random.fold_in(jax.random.PRNGKey(args.seed), 1 + index), device)
-    carry = ActorCarry(envs.reset()[0], key, np.zeros(n, bool), np.zeros(n), np.zeros(n, np.int64))
+    envs = Envs(args, n, args.seed + index * n)
+    key = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(args.seed), start_update), 1 + index)
+    state = ActorState(envs.reset(), jax.device_put(key, device), np.zeros(n, bool), np.zeros(n), np.zeros(n, int))
     put_s = 0.0  # a rollout's queue wait is known only after it is sent: reported with the next
     for update in range(start_update, num_updates):
         start = time.perf_counter()
-        # Rollout u may use parameters from update u - 1 (lag 1): it is collected while the
-        # learner is still busy with rollout u - 1. Without lag it waits for update u - 1 to end.
-        got = store.wait(max(start_update, update - int(args.policy_lag)), stop)
-        if got is None:
-            return
-        version, params = got
+        # Rollout u is collected while the learner works on rollout u - 1, so it may act with
+        # parameters version u - 1 (lag 1); --no-policy-lag waits for version u.
+        version, params = store.wait(update - int(args.policy_lag), stop)
         waited = time.perf_counter() - start
-        rollout, carry, returns, lengths, (inference_s, env_s) = collect(envs, params[device], carry, args.num_steps)
+        rollout, state, returns, lengths, (inference_s, env_s) = collect(envs, params[device], state, args.num_steps)
         splits = [np.split(x, len(learner_devices), axis=1) for x in rollout]  # each learner's envs
         parts = [jax.device_put(Rollout(*(s[i] for s in splits)), d) for i, d in enumerate(learner_devices)]
         stats = ActorStats(returns, lengths, update - version, time.perf_counter() - start - waited,
                            inference_s, env_s, waited, put_s)
         start = time.perf_counter()
-        put(out, (parts, stats), stop)
+        until_stopped(out.put, stop, (parts, stats))
         put_s = time.perf_counter() - start
 
 
-def actor_thread(stop, *args):
+def actor_thread(stop, errors, *args):
+    """An actor thread's body: a failure keeps its traceback for the learner to print and stops the run."""
     try:
         actor_loop(stop, *args)
+    except Stopped:
+        pass
     except BaseException:
-        traceback.print_exc()  # this thread's traceback; the learner sees `stop` and ends the run
+        errors.append(f"in thread {threading.current_thread().name}:\n{traceback.format_exc()}")
         stop.set()
 
 
@@ -418,7 +480,7 @@ class TrainState(NamedTuple):
 
 
 def learning_rate(args, num_updates, update):
-    """The learning rate after `update` updates: annealed linearly to 0 with --anneal-lr."""
+    """The learning rate of update `update` (0 is the first): annealed linearly to 0 with --anneal-lr."""
     return args.learning_rate * (1.0 - update / num_updates if args.anneal_lr else 1.0)
 
 
@@ -429,9 +491,9 @@ def make_optimizer(args, num_updates):
     return optax.chain(optax.clip_by_global_norm(args.max_grad_norm), optax.adam(lr, eps=1e-5))
 
 
-def init_state(key, args, num_actions, num_updates):
+def init_state(key, args, env, num_updates):
     k_params, k_learn = jax.random.split(key)
-    params = init_params(k_params, num_actions)
+    params = init_params(k_params, env.num_actions)
     return TrainState(params, make_optimizer(args, num_updates).init(params), k_learn)
 
 
@@ -452,46 +514,96 @@ def learner_update(state, rollout, args, optimizer):
                                    advantages + old_values, rollout.valid))
     params, opt_state, key = state
     samples = samples._replace(prox_logprobs=prox_log_probs(params, samples, args.num_minibatches))
-    metrics = []
+    losses = []
     # Epochs and minibatches are Python loops, unrolled inside the jit: on XLA:CPU a conv
-    # gradient inside lax.scan runs ~20x slower (CONVENTIONS, jax issue 12868).
+    # gradient inside lax.scan runs far slower (jax issue 12868).
     for _ in range(args.update_epochs):
         key, sub = jax.random.split(key)
         order = jax.random.permutation(sub, samples.actions.shape[0]).reshape(args.num_minibatches, -1)
         for idx in order:
             mb = jax.tree.map(lambda x: x[idx], samples)
-            grads, m = jax.grad(ppo_loss, has_aux=True)(params, mb, args, "learners")
-            grads = jax.lax.psum(grads, "learners")  # each learner's share -> the global mean's gradient
+            grads, mb_losses = jax.grad(ppo_loss, has_aux=True)(params, mb, args, "devices")
+            grads = jax.lax.psum(grads, "devices")  # each learner's share -> the global mean's gradient
             updates, opt_state = optimizer.update(grads, opt_state, params)
             params = optax.apply_updates(params, updates)
-            metrics.append(jax.lax.psum(m, "learners"))
-    mean = jax.tree.map(lambda *x: jnp.stack(x).mean(), *metrics)
-    return TrainState(params, opt_state, key), mean._replace(clipfrac_first=metrics[0].clipfrac_first)
+            losses.append(jax.lax.psum(mb_losses, "devices"))
+    mean = jax.tree.map(lambda *x: jnp.stack(x).mean(), *losses)
+    return TrainState(params, opt_state, key), mean._replace(clipfrac_first=losses[0].clipfrac_first)
 
 
 def make_update(args, mesh, num_updates):
-    """The learner: `learner_update` on every learner device of every host, one compiled call."""
+    """The learner: one update on every learner device of every host, one compiled call."""
     update = partial(learner_update, args=args, optimizer=make_optimizer(args, num_updates))
-    # check_vma=False: params enter replicated (P()) and ppo_loss returns each learner's share of
-    # the global mean, so we psum the gradients ourselves; with check_vma=True JAX would already
-    # sum a replicated input's gradient across the mesh and our psum would double it.
-    sharded = jax.shard_map(update, mesh=mesh, in_specs=(P(), P(None, "learners")),
-                            out_specs=(P(), P()), check_vma=False)
+    # check_vma=False: parameters enter replicated (P()) and the body combines the devices' gradients
+    # itself (pmean or psum); with the check on, JAX would already have summed them across devices.
+    sharded = jax.shard_map(update, mesh=mesh, in_specs=(P(), P(None, "devices")), out_specs=(P(), P()),
+                            check_vma=False)
     return jax.jit(sharded)
+
+
+# ---- This script's flags, devices and learner loop ---------------------------------------
+
+def check_args(args):
+    """Flag checks that need no device; returns the args and the env's EnvInfo."""
+    env = describe_env(args.env_id, args.machado)
+    check_flags(args, counts=("total_timesteps", "num_actor_threads", "local_num_envs", "num_steps", "num_minibatches",
+                              "update_epochs", "log_every", "checkpoint_every"),
+                unit=("gamma", "gae_lambda"), positive=("learning_rate",),
+                nonnegative=("clip_coef", "ent_coef", "vf_coef", "max_grad_norm"))
+    return args, env
 
 
 class Layout(NamedTuple):
     actor_devices: list  # this host's
     learner_devices: list  # this host's, in mesh order
-    mesh: Mesh  # the learner devices of every host
+    mesh: Mesh  # the learner devices of every host, one axis "devices"
     num_envs: int  # envs of every actor thread of every host
+
+
+def pick_devices(args):
+    n = len(jax.local_devices())
+    actors = args.actor_device_ids or [0]
+    learners = args.learner_device_ids or ([i for i in range(n) if i not in actors] or [0])
+    for flag_name, ids in (("--actor-device-ids", actors), ("--learner-device-ids", learners)):
+        if not all(0 <= i < n for i in ids) or len(set(ids)) < len(ids):
+            fail(f"{flag_name} {' '.join(map(str, ids))}: give distinct indices in 0..{n - 1} (this host has "
+                 f"{n} devices)")
+    if n > 1 and set(actors) & set(learners):
+        fail(f"--learner-device-ids {' '.join(map(str, learners))} share a device with --actor-device-ids "
+             f"{' '.join(map(str, actors))}; with {n} devices give each role its own")
+    hosts = [[d for d in jax.devices() if d.process_index == p] for p in range(jax.process_count())]
+    mesh = Mesh(np.array([host[i] for host in hosts for i in learners]), ("devices",))
+    mine = hosts[jax.process_index()]
+    num_envs = jax.process_count() * len(actors) * args.num_actor_threads * args.local_num_envs
+    return Layout([mine[i] for i in actors], [mine[i] for i in learners], mesh, num_envs)
+
+
+def check_sizes(args, layout, env):
+    """Counts that must divide or fit; returns the number of updates."""
+    n_learners = len(layout.learner_devices)
+    if args.local_num_envs % n_learners:
+        fail(f"--local-num-envs {args.local_num_envs} must divide evenly across {n_learners} learner devices")
+    check_seed(args.seed, 2**31 - layout.num_envs + 1)  # env i of the run is seeded with seed + i
+    # Each actor thread holds a rollout it collects, one in its queue and one being learned from.
+    threads = len(layout.actor_devices) * args.num_actor_threads
+    obs_bytes = np.prod(env.obs_shape)  # uint8 frames
+    check_fits(3 * threads * (args.num_steps + 1) * args.local_num_envs * obs_bytes,
+               f"the rollouts of {threads} actor threads x --local-num-envs {args.local_num_envs}")
+    batch = args.num_steps * layout.num_envs
+    if (batch // layout.mesh.size) % args.num_minibatches:
+        fail(f"--num-minibatches {args.num_minibatches} must divide the {batch // layout.mesh.size} samples "
+             "on each learner (--num-steps x envs per learner)")
+    if args.total_timesteps < batch:
+        fail(f"--total-timesteps {args.total_timesteps} is less than one update ({batch:,} steps = "
+             f"--num-steps {args.num_steps} x {layout.num_envs} envs)")
+    return args.total_timesteps // batch
 
 
 def assemble(parts, layout):
     """One global Rollout [T, all envs, ...] from the actor threads' parts on the learner devices."""
     per_device = [jax.tree.map(lambda *x: jnp.concatenate(x, axis=1), *[p[i] for p in parts])
                   for i in range(len(layout.learner_devices))]
-    sharding = NamedSharding(layout.mesh, P(None, "learners"))
+    sharding = NamedSharding(layout.mesh, P(None, "devices"))
 
     def glue(*shards):
         shape = (shards[0].shape[0], shards[0].shape[1] * layout.mesh.size, *shards[0].shape[2:])
@@ -509,81 +621,13 @@ def to_actors(params, layout):
     return {d: jax.device_put(local(params), d) for d in layout.actor_devices}
 
 
-# ---- This script's flags, devices and learner loop ---------------------------------------
-
-def check_args(args):
-    """Flag checks that need no device; returns the number of actions."""
-    specs = envpool.registration.registry.specs
-    atari = sorted(i for i, s in specs.items() if s[0] == "envpool.atari" and i.endswith("-v5"))
-    if args.env_id not in atari:
-        if args.env_id in specs:
-            fail(f"--env-id {args.env_id!r} is not an Atari -v5 game; this file trains Atari only "
-                 "(sebulba_impala.py runs any envpool or gymnasium env)")
-        close = difflib.get_close_matches(args.env_id, atari, n=3, cutoff=0.5)
-        fail(f"--env-id {args.env_id!r} is not an envpool Atari id"
-             + (f"; did you mean {', '.join(map(repr, close))}?" if close else "; e.g. 'Breakout-v5', 'Pong-v5'"))
-    check_flags(args, counts=("total_timesteps", "num_actor_threads", "local_num_envs", "num_steps", "num_minibatches",
-                              "update_epochs", "log_every", "checkpoint_every"),
-                unit=("gamma", "gae_lambda"), positive=("learning_rate",),
-                nonnegative=("clip_coef", "ent_coef", "vf_coef", "max_grad_norm"))
-    return envpool.make_spec(args.env_id, **atari_kwargs(args.machado)).action_space.n
-
-
-def pick_devices(args):
-    n = len(jax.local_devices())
-    actors = args.actor_device_ids or [0]
-    learners = args.learner_device_ids or ([i for i in range(n) if i not in actors] or [0])
-    for flag_name, ids in (("--actor-device-ids", actors), ("--learner-device-ids", learners)):
-        if not all(0 <= i < n for i in ids) or len(set(ids)) < len(ids):
-            fail(f"{flag_name} {' '.join(map(str, ids))}: give distinct indices in 0..{n - 1} (this host has {n} devices)")
-    if n > 1 and set(actors) & set(learners):
-        fail(f"--actor-device-ids {actors} and --learner-device-ids {learners} share a device; with {n} "
-             "devices give each role its own")
-    hosts = [[d for d in jax.devices() if d.process_index == p] for p in range(jax.process_count())]
-    mesh = Mesh(np.array([host[i] for host in hosts for i in learners]), ("learners",))
-    mine = hosts[jax.process_index()]
-    num_envs = jax.process_count() * len(actors) * args.num_actor_threads * args.local_num_envs
-    return Layout([mine[i] for i in actors], [mine[i] for i in learners], mesh, num_envs)
-
-
-def check_sizes(args, layout):
-    """Counts that must divide or fit; returns the number of updates."""
-    n_learners = len(layout.learner_devices)
-    if args.local_num_envs % n_learners:
-        fail(f"--local-num-envs {args.local_num_envs} must divide evenly across {n_learners} learner devices")
-    check_seed(args.seed, 2**31 - layout.num_envs + 1)  # env i of the run is seeded with seed + i
-    # Each actor thread holds a rollout it collects, one in its queue and one being learned from.
-    threads = len(layout.actor_devices) * args.num_actor_threads
-    check_fits(3 * threads * (args.num_steps + 1) * args.local_num_envs * 4 * 84 * 84,
-               f"the rollouts of {threads} actor threads x --local-num-envs {args.local_num_envs}")
-    batch = args.num_steps * layout.num_envs
-    if (batch // layout.mesh.size) % args.num_minibatches:
-        fail(f"--num-minibatches {args.num_minibatches} must divide the {batch // layout.mesh.size} samples "
-             "on each learner (--num-steps x envs per learner)")
-    if args.total_timesteps < batch:
-        fail(f"--total-timesteps {args.total_timesteps} is less than one update ({batch:,} steps = "
-             f"--num-steps {args.num_steps} x {layout.num_envs} envs)")
-    return args.total_timesteps // batch
-
-
-def get(q, stop):
-    """The next item of an actor thread's queue; raises if an actor failed."""
-    while True:
-        if stop.is_set():
-            raise RuntimeError("an actor thread failed (its traceback is above); stopping the run")
-        try:
-            return q.get(timeout=0.5)
-        except queue.Empty:
-            continue
-
-
 class Loop(NamedTuple):
     """What the learner loop works with besides its state."""
     layout: Layout
-    update_fn: object  # the compiled learner update
+    update: object  # the compiled learner update
     queues: list  # one bounded queue per local actor thread
     store: ParamStore
-    stop: threading.Event  # set by a failing actor thread, and at the end
+    stop: threading.Event  # set by a failing actor thread
     caught: list  # stop signals caught (catch_stop_signals)
     run: object  # the run folder's Run
 
@@ -596,15 +640,16 @@ def checkpoint(run, state, update, layout, args):
                           "global_step": np.int64(update * args.num_steps * layout.num_envs)})
 
 
-def report(args, loop, window, metrics, update, num_updates, eta):
+def report(args, loop, window, update, num_updates, eta):
     """Write a metrics row (CleanRL's names) for the log window, print the progress line; returns the row."""
     batch, stats, mean = args.num_steps * loop.layout.num_envs, window["actors"], lambda xs: float(np.mean(xs))
     sps = len(window["learner_time"]) * batch / (time.perf_counter() - window["start"])
     row = {"global_step": update * batch, "update": update, "charts/SPS": sps,
-           "charts/learning_rate": learning_rate(args, num_updates, update),
+           "charts/learning_rate": learning_rate(args, num_updates, update - 1),  # the last update's
            "stats/param_lag": max(s.lag for s in stats),
-           **{f"losses/{k}": float(v) for k, v in metrics._asdict().items()},
-           **{f"stats/{k}": mean([getattr(s, k) for s in stats]) for k in ActorStats._fields[3:]},
+           **{f"losses/{k}": mean(v) for k, v in zip(Losses._fields, zip(*window["losses"]))},
+           **{f"stats/{k}": mean([getattr(s, k) for s in stats])
+              for k in ("rollout_time", "inference_time", "env_step_time", "actor_params_wait", "actor_queue_wait")},
            **{f"stats/{k}": mean(window[k]) for k in ("learner_queue_wait", "learner_time")}}
     returns = [r for s in stats for r in s.returns]
     if returns:
@@ -615,40 +660,43 @@ def report(args, loop, window, metrics, update, num_updates, eta):
 
 
 def learn(args, loop, state, start_update, num_updates):
-    """The learner loop (main thread): update u turns rollout u into parameters version u. Returns the
-    state, the number of updates done, the last metrics row and the stop signal (0: none)."""
-    new_window = lambda: {"start": time.perf_counter(), "actors": [], "learner_queue_wait": [], "learner_time": []}
+    """The learner loop (main thread): update u turns rollout u - 1 into parameters version u. Returns
+    the state, the number of updates done, the last metrics row and the stop signal (0: none)."""
+    new_window = lambda: {"start": time.perf_counter(), "actors": [], "losses": [], "learner_queue_wait": [],
+                          "learner_time": []}
     row, window, t_start, beat = {}, new_window(), time.perf_counter(), watch_peers(loop.run)
     for update in range(start_update + 1, num_updates + 1):
         beat()
         if signum := stop_signal(loop.caught):
             return state, update - 1, row, signum
         start = time.perf_counter()
-        items = [get(q, loop.stop) for q in loop.queues]
+        items = [until_stopped(q.get, loop.stop) for q in loop.queues]
         window["learner_queue_wait"].append(time.perf_counter() - start)
         start = time.perf_counter()
-        state, metrics = loop.update_fn(state, assemble([parts for parts, _ in items], loop.layout))
+        state, losses = loop.update(state, assemble([parts for parts, _ in items], loop.layout))
         loop.store.publish(update, to_actors(state.params, loop.layout))
-        metrics = jax.device_get(local(metrics))
+        losses = jax.device_get(local(losses))
         window["learner_time"].append(time.perf_counter() - start)
-        check_finite({k: float(v) for k, v in metrics._asdict().items()}, update, loop.run)
+        check_finite({k: float(v) for k, v in losses._asdict().items()}, update, loop.run)
+        window["losses"].append(losses)
         window["actors"] += [stats for _, stats in items]
-        if update % args.log_every == 0 or update == num_updates:
+        # The run's first update is logged too: on a CPU an Atari update takes a while.
+        if update % args.log_every == 0 or update in (start_update + 1, num_updates):
             per_update = (time.perf_counter() - t_start) / (update - start_update)
-            row = report(args, loop, window, metrics, update, num_updates, (num_updates - update) * per_update)
+            row = report(args, loop, window, update, num_updates, (num_updates - update) * per_update)
             window = new_window()
         if update % args.checkpoint_every == 0:
             checkpoint(loop.run, state, update, loop.layout, args)
     return state, num_updates, row, 0
 
 
-def start_actors(args, layout, store, stop, start_update, num_updates):
+def start_actors(args, layout, store, stop, errors, start_update, num_updates):
     """This host's actor threads, each with its own bounded queue (read by the learner in a fixed order)."""
     queues = [queue.Queue(maxsize=1) for _ in range(len(layout.actor_devices) * args.num_actor_threads)]
     devices = [d for d in layout.actor_devices for _ in range(args.num_actor_threads)]
     first = jax.process_index() * len(queues)  # global thread indices: env seeds differ across hosts
-    threads = [threading.Thread(target=actor_thread, daemon=True, args=(
-        stop, args, first + i, device, layout.learner_devices, store, q, start_update, num_updates))
+    threads = [threading.Thread(target=actor_thread, name=f"actor{first + i}", daemon=True, args=(
+        stop, errors, args, first + i, device, layout.learner_devices, store, q, start_update, num_updates))
         for i, (device, q) in enumerate(zip(devices, queues))]
     for t in threads:
         t.start()
@@ -921,14 +969,14 @@ def checksum(params):
 
 def main(args):
     caught = catch_stop_signals()
-    num_actions = check_args(args)
+    args, env = check_args(args)
     start_distributed(args)
     layout = pick_devices(args)
-    num_updates = check_sizes(args, layout)
+    num_updates = check_sizes(args, layout, env)
     key = jax.random.PRNGKey(args.seed)
     start_update = 0
-    init = partial(init_state, args=args, num_actions=num_actions, num_updates=num_updates)
-    if args.resume:
+    init = partial(init_state, args=args, env=env, num_updates=num_updates)
+    if args.resume:  # checked against this run's shapes before anything compiles
         template = {"state": jax.eval_shape(init, key), "update": np.int64(0), "global_step": np.int64(0)}
         ckpt = load(args.resume, template, num_updates, "same --env-id?")
         host_state, start_update = ckpt["state"], int(ckpt["update"])
@@ -937,12 +985,13 @@ def main(args):
     run = open_run(args)
     replicated = NamedSharding(layout.mesh, P())  # on every learner device of every host
     state = jax.tree.map(lambda a: jax.make_array_from_callback(a.shape, replicated, lambda i: a[i]), host_state)
-    stop, store = threading.Event(), ParamStore()
+    stop, store, errors = threading.Event(), ParamStore(), []
     store.publish(start_update, to_actors(state.params, layout))
-    queues, threads = start_actors(args, layout, store, stop, start_update, num_updates)
-    print(f"{args.env_id}: {num_updates} updates of {args.num_steps * layout.num_envs:,} steps; actors "
-          f"{layout.actor_devices} x {args.num_actor_threads} threads x {args.local_num_envs} envs, learners "
-          f"{list(layout.mesh.devices)}", flush=True)
+    queues, threads = start_actors(args, layout, store, stop, errors, start_update, num_updates)
+    print(f"{args.env_id}: {num_updates} updates of {args.num_steps * layout.num_envs:,} steps; actor devices "
+          f"{[d.id for d in layout.actor_devices]} x {args.num_actor_threads} threads x {args.local_num_envs} envs; "
+          f"learner devices {[d.id for d in layout.learner_devices]} ({layout.mesh.size} on {jax.process_count()} "
+          "host(s))", flush=True)
     loop = Loop(layout, make_update(args, layout.mesh, num_updates), queues, store, stop, caught, run)
     try:
         state, update, row, signum = learn(args, loop, state, start_update, num_updates)
@@ -950,8 +999,11 @@ def main(args):
         if jax.process_count() == 1:
             raise
         lost_peer(e, run)
+    except Stopped:  # an actor thread failed: its traceback, then exit status 1
+        print("".join(errors), file=sys.stderr, flush=True)
+        exit_now(1, run)
     finally:
-        stop.set()  # actor threads end; a failing one already printed its traceback
+        stop.set()  # the actor threads end
     for t in threads:
         t.join(timeout=10)
     checkpoint(run, state, update, layout, args)

@@ -142,14 +142,14 @@ def test_impala_loss_pieces_are_sums_over_valid_steps_matching_numpy(impala):
 
     rng = np.random.default_rng(1)
     T, B, A, gamma, lam, vf_coef, ent_coef = 6, 4, 3, 0.99, 0.95, 0.5, 0.01
-    params = impala.init_params(jax.random.key(0), (5,), A)
+    params = impala.init_params(jax.random.key(0), (5,), A, "mlp")
     terminated, valid = random_rollout(rng, T, B)
     batch = impala.Rollout(
         obs=rng.normal(size=(T + 1, B, 5)).astype(np.float32), actions=rng.integers(0, A, (T, B)).astype(np.int32),
         logits=rng.normal(size=(T, B, A)).astype(np.float32), rewards=rng.normal(size=(T, B)).astype(np.float32),
         terminated=terminated.astype(np.float32), valid=valid.astype(np.float32))
-    loss = jax.jit(impala.impala_loss, static_argnums=(2, 3, 4, 5))
-    _, info = loss(params, batch, gamma, lam, vf_coef, ent_coef)
+    args = impala.Args(gamma=gamma, vtrace_lambda=lam, vf_coef=vf_coef, ent_coef=ent_coef)
+    _, info = jax.jit(lambda params, batch: impala.impala_loss(params, batch, args))(params, batch)
 
     logits, values = (np.asarray(x, np.float64) for x in impala.apply(params, batch.obs))
     logp = logits[:-1] - np.log(np.exp(logits[:-1]).sum(-1, keepdims=True))
@@ -169,9 +169,11 @@ def test_image_observations_get_the_impala_resnet(impala):
     import jax
 
     # Shapes only (eval_shape): the ResNet's arithmetic is XLA's own convolution and pooling.
-    params = jax.eval_shape(lambda key: impala.init_params(key, (4, 84, 84), 6), jax.random.key(0))
-    assert [params[f"stack{i}"]["conv"]["w"].shape[-1] for i in range(3)] == [16, 32, 32]
-    assert params["torso"]["w"].shape == (11 * 11 * 32, 256)  # 84 -> 42 -> 21 -> 11 after three pools
+    params = jax.eval_shape(lambda key: impala.init_params(key, (4, 84, 84), 6, "deep"), jax.random.key(0))
+    torso = params["torso"]["deep"]
+    assert [torso[f"stack{i}"]["conv"]["w"].shape[-1] for i in range(3)] == [16, 32, 32]
+    assert [sorted(torso[f"stack{i}"]) for i in range(3)] == [["block0", "block1", "conv"]] * 3
+    assert torso["dense"]["w"].shape == (11 * 11 * 32, 256)  # 84 -> 42 -> 21 -> 11 after three pools
     logits, value = jax.eval_shape(impala.apply, params, jax.ShapeDtypeStruct((3, 2, 4, 84, 84), np.uint8))
     assert logits.shape == (3, 2, 6) and value.shape == (3, 2)
 
@@ -180,9 +182,10 @@ def test_shallow_network_is_the_papers_two_conv_cnn(impala):
     import jax
 
     params = jax.eval_shape(lambda key: impala.init_params(key, (4, 84, 84), 6, "shallow"), jax.random.key(0))
-    assert params["conv0"]["w"].shape == (8, 8, 4, 16) and params["conv1"]["w"].shape == (4, 4, 16, 32)
-    assert params["torso"]["w"].shape == (9 * 9 * 32, 256)  # 84 -> 20 -> 9, no padding
-    assert not any(name.startswith("stack") for name in params)
+    torso = params["torso"]["shallow"]
+    assert torso["conv0"]["w"].shape == (8, 8, 4, 16) and torso["conv1"]["w"].shape == (4, 4, 16, 32)
+    assert torso["dense"]["w"].shape == (9 * 9 * 32, 256)  # 84 -> 20 -> 9, no padding
+    assert sorted(torso) == ["conv0", "conv1", "dense"]
     logits, value = jax.eval_shape(impala.apply, params, jax.ShapeDtypeStruct((3, 2, 4, 84, 84), np.uint8))
     assert logits.shape == (3, 2, 6) and value.shape == (3, 2)
 
@@ -206,7 +209,7 @@ sys.path.insert(0, {str(ROOT / "tests")!r})
 from conftest import load
 
 impala = load("sebulba_impala.py")
-args = impala.Args(learning_rate=1e-3, rmsprop_eps=0.01)
+args = impala.Args(learning_rate=1e-3, rmsprop_eps=0.01, network="mlp")
 rng = np.random.default_rng(0)
 T, B, A = 5, 4, 3
 valid = np.ones((T, B), np.float32)
@@ -214,14 +217,13 @@ valid[2, 1] = valid[3, 3] = 0.0
 batch = impala.Rollout(rng.normal(size=(T + 1, B, 6)).astype(np.float32), rng.integers(0, A, (T, B)).astype(np.int32),
                        rng.normal(size=(T, B, A)).astype(np.float32), rng.normal(size=(T, B)).astype(np.float32),
                        (rng.random((T, B)) < 0.2).astype(np.float32), valid)
-optimizer = impala.make_optimizer(args, 10)
-params = impala.init_params(jax.random.key(0), (6,), A)
-state = impala.TrainState(params, optimizer.init(params))
+state = impala.init_state(jax.random.PRNGKey(0), args, impala.EnvInfo((6,), A, "gymnasium", False), 10)
+params = state.params
 outs = []
 for n in (1, 2):
     mesh = Mesh(np.array(jax.devices()[:n]), ("devices",))
     placed = jax.device_put(batch, NamedSharding(mesh, P(None, "devices")))
-    new, info = impala.make_learner(args, mesh, optimizer)(jax.device_put(state, NamedSharding(mesh, P())), placed)
+    new, info = impala.make_update(args, mesh, 10)(jax.device_put(state, NamedSharding(mesh, P())), placed)
     outs.append((jax.tree.leaves(jax.device_get(new.params)), np.asarray(jax.device_get(info))))
 moved = max(float(np.abs(a - b).max()) for a, b in zip(outs[0][0], jax.tree.leaves(params)))
 gap = max(float(np.abs(a - b).max()) for a, b in zip(outs[0][0], outs[1][0]))
@@ -242,30 +244,31 @@ def test_an_update_is_the_same_on_one_or_two_learner_devices(tmp_path):
 
 
 def test_episode_scores_are_unclipped_and_span_the_whole_game(impala):
+    """Collects with the policy, then replays its actions in a fresh envpool batch and scores the games there."""
     import envpool
+    import jax
 
     # Space Invaders pays 5-30 points per alien and has 3 lives: clipping and life loss show.
-    n = 2
-    envs = envpool.make("SpaceInvaders-v5", env_type="gymnasium", num_envs=n, seed=3, **impala.atari_kwargs(False))
-    env = impala.EnvInfo("envpool", True, (4, 84, 84), 6)
-    state = impala.ActorState(impala.reset_envs(envs, env, 3), np.zeros(n, bool), np.zeros(n), np.zeros(n, int))
-    rng = np.random.default_rng(0)
+    args, n, steps = impala.Args(env_id="SpaceInvaders-v5"), 2, 1500
+    env = impala.describe_env(args.env_id, False)
+    params = impala.init_params(jax.random.PRNGKey(0), env.obs_shape, env.num_actions, "shallow")
+    envs = impala.Envs(args, n, 3)
+    state = impala.ActorState(envs.reset(), jax.random.PRNGKey(1), np.zeros(n, bool), np.zeros(n), np.zeros(n, int))
+    rollout, _, returns, lengths, _ = impala.collect(envs, params, state, steps)
+    replay = envpool.make(args.env_id, env_type="gymnasium", num_envs=n, seed=3, **impala.atari_kwargs(False))
+    replay.reset()
     score, clipped, life_losses, games = np.zeros(n), np.zeros(n), np.zeros(n, int), []
-    while len(games) < 2:
-        obs, reward, terminated, truncated, info = envs.step(rng.integers(0, 6, n))
-        step = impala.Step(obs, reward, terminated, terminated | truncated, info["reward"],
-                           info["terminated"].astype(bool) | truncated)
-        state, (scores, lengths) = impala.track_episodes(state, step)
+    for t in range(steps):
+        _, reward, terminated, truncated, info = replay.step(rollout.actions[t])
         score, clipped = score + info["reward"], clipped + reward
-        life_losses += terminated & ~step.game_over
-        over = np.flatnonzero(step.game_over)
-        for b, got_score, got_length in zip(over, scores, lengths):
-            games.append((got_score, got_length, score[b], info["elapsed_step"][b], clipped[b], life_losses[b]))
+        over = info["terminated"].astype(bool) | truncated
+        life_losses += terminated & ~over
+        games += [(score[b], info["elapsed_step"][b], clipped[b], life_losses[b]) for b in np.flatnonzero(over)]
         score[over], clipped[over], life_losses[over] = 0, 0, 0
-    for got_score, got_length, true_score, elapsed, clipped_score, lives_lost in games:
-        assert got_score == true_score and got_length == elapsed
-        assert got_score > clipped_score  # unclipped
-        assert lives_lost == 2  # one game = all three lives
+    assert len(games) >= 2 and sorted(returns) == sorted(g[0] for g in games)
+    assert sorted(lengths) == sorted(g[1] for g in games)  # agent steps of the whole game
+    for true_score, _, clipped_score, lives_lost in games:
+        assert true_score > clipped_score and lives_lost == 2  # unclipped; one game = all three lives
 
 
 def test_machado_switch_gives_sticky_actions_and_the_full_action_set(impala):
@@ -283,7 +286,7 @@ def test_machado_atari_run_resets_steps_and_learns_with_the_shallow_network(tmp_
     assert [row["global_step"] for row in result.metrics] == [16, 32]
     finite_losses(result)
     with np.load(result.run_dir / "checkpoint.npz", allow_pickle=False) as data:
-        assert data["state/params/conv0/w"].shape == (8, 8, 4, 16)
+        assert data["state/params/torso/shallow/conv0/w"].shape == (8, 8, 4, 16)
         assert data["state/params/policy/w"].shape == (256, 18)  # the full action set
 
 

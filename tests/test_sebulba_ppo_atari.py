@@ -121,7 +121,7 @@ def test_advantage_normalisation_spans_all_learners_and_skips_masked_samples(ppo
     adv = rng.normal(3.0, 2.0, size=(2, 6)).astype(np.float32)  # 2 learners x 6 samples
     mask = np.ones((2, 6), np.float32)
     mask[0, :2] = 0
-    got = np.asarray(jax.vmap(partial(ppo.normalize, axis_name="learners"), axis_name="learners")(adv, mask))
+    got = np.asarray(jax.vmap(partial(ppo.normalize, axis_name="devices"), axis_name="devices")(adv, mask))
     valid = adv[mask == 1]
     np.testing.assert_allclose(got[mask == 1], (valid - valid.mean()) / valid.std(), rtol=1e-4, atol=1e-5)
 
@@ -136,9 +136,9 @@ def test_uint8_frames_are_scaled_and_bool_or_float_inputs_enter_as_they_are(ppo)
                          for x, y in zip(ppo.apply(params, a), ppo.apply(params, b))]
     same(frames, frames.astype(np.float32) / 255)
     same(bits, bits.astype(np.float32))
-    np.testing.assert_array_equal(ppo.to_float(bits), bits.astype(np.float32))
+    np.testing.assert_array_equal(ppo.image_input(bits), np.transpose(bits, (0, 2, 3, 1)).astype(np.float32))
     floats = frames.astype(np.float32)
-    np.testing.assert_array_equal(ppo.to_float(floats), floats)
+    np.testing.assert_array_equal(ppo.image_input(floats), np.transpose(floats, (0, 2, 3, 1)))
 
 
 # ---- The learner update and acting --------------------------------------------------------
@@ -150,7 +150,7 @@ def test_repeated_updates_on_one_batch_favour_positive_advantage_actions_and_fit
     args = ppo.Args(update_epochs=2, num_minibatches=2, learning_rate=1e-3, anneal_lr=False)
     rng = np.random.default_rng(2)
     T, E, A = 8, 4, 4
-    state = ppo.init_state(jax.random.PRNGKey(0), args, A, 100)
+    state = ppo.init_state(jax.random.PRNGKey(0), args, ppo.EnvInfo((4, 84, 84), A), 100)
     obs = rng.integers(0, 255, (T, E, 4, 84, 84), dtype=np.uint8)
     logits, values = jax.vmap(ppo.apply, (None, 0))(state.params, obs)
     actions = rng.integers(0, A, (T, E))
@@ -162,7 +162,7 @@ def test_repeated_updates_on_one_batch_favour_positive_advantage_actions_and_fit
                           np.ones((T, E), np.float32))
     adv = np.asarray(ppo.gae(rewards, values, zeros, zeros, args.gamma, args.gae_lambda))
     returns = adv + values[:-1]
-    update = ppo.make_update(args, Mesh(np.array(jax.devices()[:1]), ("learners",)), 100)
+    update = ppo.make_update(args, Mesh(np.array(jax.devices()[:1]), ("devices",)), 100)
 
     def measure(params):
         logits, v = jax.vmap(ppo.apply, (None, 0))(params, obs)
@@ -170,16 +170,16 @@ def test_repeated_updates_on_one_batch_favour_positive_advantage_actions_and_fit
         return lp[adv > 0].mean(), lp[adv < 0].mean(), np.mean((np.asarray(v) - returns) ** 2)
 
     before = measure(state.params)
-    state, metrics = update(state, rollout)
-    assert float(metrics.clipfrac_first) == 0  # pi_prox == mu: the rollout's own parameters
+    state, losses = update(state, rollout)
+    assert float(losses.clipfrac_first) == 0  # pi_prox == mu: the rollout's own parameters
     for _ in range(4):  # the same rollout again: its log-probs go stale, as under policy lag
-        state, metrics = update(state, rollout)
+        state, losses = update(state, rollout)
     after = measure(state.params)
     assert after[0] > before[0] + 0.05, (before, after)  # positive-advantage actions more likely
     assert after[1] < before[1] - 0.05, (before, after)  # negative-advantage actions less likely
     assert after[2] < 0.8 * before[2], (before, after)  # values closer to the returns
-    assert float(metrics.approx_kl) > 0 and 0 <= float(metrics.clipfrac) <= 1
-    assert float(metrics.clipfrac_first) > 0  # samples whose pi / mu left the window
+    assert float(losses.approx_kl) > 0 and 0 <= float(losses.clipfrac) <= 1
+    assert float(losses.clipfrac_first) > 0  # samples whose pi / mu left the window
 
 
 def test_collect_returns_unclipped_whole_game_scores_and_marks_autoreset_steps(ppo):
@@ -188,12 +188,11 @@ def test_collect_returns_unclipped_whole_game_scores_and_marks_autoreset_steps(p
 
     args = ppo.Args()
     params = ppo.init_params(jax.random.PRNGKey(0), 4)
-    envs = ppo.make_envs(args, 2, seed=7)
-    obs, _ = envs.reset()
-    carry = ppo.ActorCarry(obs, jax.random.PRNGKey(1), np.zeros(2, bool), np.zeros(2), np.zeros(2, np.int64))
-    rollout, _, returns, lengths, _ = ppo.collect(envs, params, carry, 600)
+    envs = ppo.Envs(args, 2, seed=7)
+    state = ppo.ActorState(envs.reset(), jax.random.PRNGKey(1), np.zeros(2, bool), np.zeros(2), np.zeros(2, int))
+    rollout, _, returns, lengths, _ = ppo.collect(envs, params, state, 600)
 
-    replay = ppo.make_envs(args, 2, seed=7)
+    replay = ppo.Envs(args, 2, seed=7).pool
     replay.reset()
     score, scores, life_losses, prev_done = np.zeros(2), [], 0, np.zeros(2, bool)
     for t in range(600):
@@ -211,7 +210,7 @@ def test_collect_returns_unclipped_whole_game_scores_and_marks_autoreset_steps(p
 
 
 def test_machado_envs_reset_and_step(ppo):
-    envs = ppo.make_envs(ppo.Args(machado=True), 2, seed=3)
+    envs = ppo.Envs(ppo.Args(machado=True), 2, seed=3).pool
     obs, _ = envs.reset()
     for _ in range(5):
         obs, *_ = envs.step(np.random.default_rng(0).integers(0, 18, 2))
