@@ -3,6 +3,7 @@ with a min-max band.
 
 usage: python tests/plot.py RUN_FOLDER... -o FILE.png [--x steps|time] [--y SCALAR]
                             [--ref LABEL=VALUE ...] [--title T]
+       python tests/plot.py --speed benchmark.json -o FILE.png [--title T]
 
 Runs are grouped by env id and experiment name (from `args.json`, else from the folder
 name `{env_id}__{exp_name}__{seed}__{time}`); each run is one seed, except an
@@ -11,6 +12,10 @@ Each seed is interpolated onto the x values of all seeds, over the range they al
 
     python tests/plot.py runs/* -o curves.png --ref "random play=0.46"
     python tests/plot.py runs/Breakout* -o sps.png --x time --y charts/SPS
+
+--speed draws tests/benchmark.py's benchmark.json instead: for every row, its training SPS
+beside the bound it was measured against (the `... SPS` column that is not `train SPS`), on a
+log scale, with the ratio written at the end of the training bar.
 """
 
 import argparse
@@ -34,6 +39,13 @@ class Run(NamedTuple):
     exp_name: str
     num_seeds: int  # anakin_ppo's --num-seeds (1 elsewhere): its charts/SPS counts every seed's steps
     rows: list  # metrics.jsonl, one dict a line
+
+
+class Bar(NamedTuple):
+    label: str  # "{case}: {the row's configuration}"
+    train: float  # training SPS
+    bound: float  # the SPS the row measured training against
+    bound_name: str  # its column: "rollout-only SPS" or "raw env SPS"
 
 
 class Curve(NamedTuple):
@@ -154,6 +166,55 @@ def plot(curves, x_axis, y, refs=(), title=None):
     return fig
 
 
+def measured(column):
+    """benchmark.json's measured columns, as opposed to those that say what was run."""
+    return column.endswith("SPS") or column == "ratio" or column.startswith("compile") or column.split()[-1].startswith("s/")
+
+
+def read_speed(path):
+    """(machine, [Bar per row]) of benchmark.json; its figures are strings like "1,461"."""
+    path = Path(path)
+    if not path.is_file():
+        fail(f"--speed {path}: no such file (python tests/benchmark.py writes benchmark.json)")
+    data, bars = read_json(path, path.read_text()), []
+    for case, rows in data.items() if isinstance(data, dict) else ():
+        for row in rows if case != "machine" else ():
+            bound = next((c for c in row if c.endswith("SPS") and c != "train SPS"), None)
+            try:
+                train, limit = (float(str(row[c]).replace(",", "")) for c in ("train SPS", bound))
+            except (KeyError, ValueError):
+                fail(f"--speed {path}: a {case} row has no numeric 'train SPS' and bound '... SPS' columns: {row}")
+            label = ", ".join(f"{c} {v}" for c, v in row.items() if not measured(c))
+            bars.append(Bar(f"{case}: {label}", train, limit, bound))
+    if not bars:
+        fail(f"--speed {path}: no benchmark rows in it")
+    return data.get("machine"), bars
+
+
+def plot_speed(bars, machine, title=None):
+    """Two bars a row, training SPS and its bound, on a log scale; the ratio at the training bar's end."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(10, 1.6 + 0.5 * len(bars)), layout="constrained")
+    ax = fig.add_subplot()
+    y = np.arange(len(bars))[::-1]
+    bounds = sorted({bar.bound_name for bar in bars})
+    ax.barh(y + 0.2, [bar.bound for bar in bars], height=0.4, color="0.75", label=f"bound: {' or '.join(bounds)}")
+    ax.barh(y - 0.2, [bar.train for bar in bars], height=0.4, color="C0", label="train SPS")
+    for yi, bar in zip(y, bars):
+        ax.text(bar.train, yi - 0.2, f" {bar.train / bar.bound:.0%}", va="center", fontsize=8)
+    ax.set_yticks(y, [bar.label for bar in bars], fontsize=8)
+    ax.set_xscale("log")
+    ax.set_xlabel("environment steps per second (log scale)")
+    ax.grid(axis="x", alpha=0.3)
+    ax.set_title(textwrap.fill(title or f"training SPS against its bound ({machine or 'machine not recorded'})", 90))
+    fig.legend(loc="outside lower center", ncols=2, frameon=False)
+    return fig
+
+
 def reference(text):
     """--ref "LABEL=VALUE" -> (label, value)."""
     label, _, value = text.rpartition("=")
@@ -169,7 +230,8 @@ def reference(text):
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.error = fail  # one `error:` line and status 2, as for every other bad input
-    parser.add_argument("runs", nargs="+", metavar="RUN_FOLDER", help="run folders holding metrics.jsonl")
+    parser.add_argument("runs", nargs="*", metavar="RUN_FOLDER", help="run folders holding metrics.jsonl")
+    parser.add_argument("--speed", type=Path, metavar="BENCHMARK_JSON", help="draw benchmark.json instead of runs")
     parser.add_argument("-o", "--output", required=True, type=Path, help="picture to write (.png, .pdf, .svg)")
     parser.add_argument("--x", choices=X_LABELS, default="steps", help="global_step, or training seconds")
     parser.add_argument("--y", default="charts/episodic_return", help="scalar to plot")
@@ -177,6 +239,8 @@ def parse_args(argv):
                         help="horizontal reference line, e.g. \"random play=0.46\" (repeatable)")
     parser.add_argument("--title", help="title above the plot")
     args = parser.parse_args(argv)
+    if bool(args.runs) == bool(args.speed):
+        fail("give run folders, or --speed benchmark.json, not both")
     if not args.output.parent.is_dir():
         fail(f"-o {args.output}: folder {args.output.parent} does not exist")
     return args
@@ -185,6 +249,9 @@ def parse_args(argv):
 def main(argv=None):
     """Plot, write the picture and return the figure."""
     args = parse_args(argv)
+    if args.speed:
+        machine, bars = read_speed(args.speed)
+        return save(plot_speed(bars, machine, args.title), args.output)
     runs = [read_run(folder) for folder in args.runs]
     groups = group_seeds(runs, args.y, args.x)
     if not groups:
@@ -195,12 +262,15 @@ def main(argv=None):
             print(f"warning: {run.folder} has no {args.y}; left out", file=sys.stderr)
     curves = [make_curve(f"{env_id} · {exp_name} ({len(seeds)} seed{'s' * (len(seeds) > 1)})", seeds)
               for (env_id, exp_name), seeds in groups.items()]
-    fig = plot(curves, args.x, args.y, args.ref, args.title)
+    return save(plot(curves, args.x, args.y, args.ref, args.title), args.output)
+
+
+def save(fig, output):
     try:
-        fig.savefig(args.output, dpi=150)
+        fig.savefig(output, dpi=150)
     except ValueError as e:  # an unknown format: matplotlib lists the ones it knows
-        fail(f"-o {args.output}: {e}")
-    print(f"wrote {args.output}")
+        fail(f"-o {output}: {e}")
+    print(f"wrote {output}")
     return fig
 
 

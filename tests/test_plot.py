@@ -1,10 +1,11 @@
-"""tests/plot.py: seeds grouped into mean curves with min-max bands, --x time, --ref, bad input."""
+"""tests/plot.py: seeds grouped into mean curves with min-max bands, --x time, --ref, --speed, bad input."""
 
 import json
 
 import numpy as np
 import pytest
 from matplotlib.collections import PolyCollection
+from matplotlib.patches import Rectangle
 
 from conftest import error_line, load, run
 
@@ -134,6 +135,35 @@ def test_a_run_without_the_scalar_is_left_out_with_a_warning(folders, tmp_path, 
     assert f"warning: {no_return} has no {RETURN}; left out" in capsys.readouterr().err
 
 
+BENCHMARK = {  # as tests/benchmark.py writes it: figures are formatted strings
+    "machine": "x86_64, 2 CPU cores",
+    "catch": [{"devices": 1, "envs/device": 128, "train SPS": "120,000", "rollout-only SPS": "480,000",
+               "ratio": "25%", "compile s (train)": 4.0},
+              {"devices": 2, "envs/device": 128, "train SPS": "150,000", "rollout-only SPS": "750,000",
+               "ratio": "20%", "compile s (train)": 4.5}],
+    "impala": [{"env": "Breakout-v5", "network": "shallow", "train SPS": "816", "raw env SPS": "971",
+                "ratio": "84.1%", "s/update": "0.391"}],
+}
+
+
+def test_speed_draws_training_sps_beside_its_bound_for_every_row(tmp_path):
+    (tmp_path / "benchmark.json").write_text(json.dumps(BENCHMARK))
+    out = tmp_path / "speed.png"
+    fig = plot.main(["--speed", str(tmp_path / "benchmark.json"), "-o", str(out)])
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    (ax,) = fig.axes
+    widths = sorted(bar.get_width() for bar in ax.patches if isinstance(bar, Rectangle))
+    assert widths == sorted([120_000, 480_000, 150_000, 750_000, 816, 971])  # a training and a bound bar per row
+    assert [t.get_text() for t in ax.get_yticklabels()] == [
+        "catch: devices 1, envs/device 128", "catch: devices 2, envs/device 128",
+        "impala: env Breakout-v5, network shallow"]
+    assert list(ax.get_yticks()) == [2, 1, 0]  # the first row on top
+    assert sorted(t.get_text().strip() for t in ax.texts) == ["20%", "25%", "84%"]
+    assert ax.get_xscale() == "log" and "x86_64, 2 CPU cores" in ax.get_title()
+    legend = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert legend == ["bound: raw env SPS or rollout-only SPS", "train SPS"]
+
+
 def bad_input(tmp_path, folder, *flags):
     """Run plot.py on bad input; assert one `error:` line (nothing else), status 2, no picture."""
     out = tmp_path / "out.png"
@@ -165,7 +195,20 @@ def test_a_bad_run_folder_is_an_error(tmp_path, metrics, expected):
     (["-o", "{tmp}/no/such/out.png"], "no/such does not exist"),
     (["-o", "{tmp}/out.pgn"], "Format 'pgn' is not supported"),
     (["--x", "hours"], "invalid choice: 'hours'"),
+    (["--speed", "benchmark.json"], "give run folders, or --speed benchmark.json, not both"),
 ])
 def test_bad_flags_are_one_error_line_and_status_2(tmp_path, flags, expected):
     folder = write_run(tmp_path, "Catch", "anakin_catch", 1, rows(seed_returns(1)))
     assert expected in bad_input(tmp_path, folder, *(f.format(tmp=tmp_path) for f in flags))
+
+
+@pytest.mark.parametrize("text, expected", [
+    (None, "no such file"),
+    ("{", "benchmark.json is not valid JSON"),
+    ('{"machine": "m"}', "no benchmark rows in it"),
+    ('{"catch": [{"devices": 1, "train SPS": "fast"}]}', "a catch row has no numeric 'train SPS'"),
+])
+def test_bad_speed_input_is_one_error_line(tmp_path, text, expected):
+    if text is not None:
+        (tmp_path / "benchmark.json").write_text(text)
+    assert expected in bad_input(tmp_path, f"--speed={tmp_path / 'benchmark.json'}")
