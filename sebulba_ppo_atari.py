@@ -441,19 +441,20 @@ def actor_loop(stop, args, index, device, learner_devices, store, out, start_upd
     """One actor thread (paper section 4): act on `device`, ship each rollout to the learners."""
     n = args.local_num_envs
     envs = Envs(args, n, args.seed + index * n)
+    # Each thread samples actions from its own stream, and a resumed run from new ones.
     key = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(args.seed), start_update), 1 + index)
     state = ActorState(envs.reset(), jax.device_put(key, device), np.zeros(n, bool), np.zeros(n), np.zeros(n, int))
     put_s = 0.0  # a rollout's queue wait is known only after it is sent: reported with the next
-    for update in range(start_update, num_updates):
+    for u in range(start_update, num_updates):  # rollout u feeds update u + 1
         start = time.perf_counter()
         # Rollout u is collected while the learner works on rollout u - 1, so it may act with
         # parameters version u - 1 (lag 1); --no-policy-lag waits for version u.
-        version, params = store.wait(update - int(args.policy_lag), stop)
+        version, params = store.wait(u - int(args.policy_lag), stop)
         waited = time.perf_counter() - start
         rollout, state, returns, lengths, (inference_s, env_s) = collect(envs, params[device], state, args.num_steps)
         splits = [np.split(x, len(learner_devices), axis=1) for x in rollout]  # each learner's envs
         parts = [jax.device_put(Rollout(*(s[i] for s in splits)), d) for i, d in enumerate(learner_devices)]
-        stats = ActorStats(returns, lengths, update - version, time.perf_counter() - start - waited,
+        stats = ActorStats(returns, lengths, u - version, time.perf_counter() - start - waited,
                            inference_s, env_s, waited, put_s)
         start = time.perf_counter()
         until_stopped(out.put, stop, (parts, stats))
