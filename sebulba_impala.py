@@ -190,34 +190,44 @@ class Step(NamedTuple):
     game_over: np.ndarray  # [E] the whole game ended (Atari: its last life) or was truncated
 
 
-class Envs:
-    """One actor thread's batch of envs: reset() -> obs, step(actions) -> Step."""
+class Envs(NamedTuple):
+    """One actor thread's batch of envs."""
+    pool: object  # an envpool batch or a gymnasium vector env
+    env: EnvInfo
+    seed: int
 
-    def __init__(self, args, num_envs, seed):
-        self.env, self.seed = describe_env(args.env_id, args.machado), seed
-        if self.env.source == "envpool":
-            kwargs = atari_kwargs(args.machado) if self.env.atari else {}
-            self.pool = envpool.make(args.env_id, env_type="gymnasium", num_envs=num_envs, seed=seed, **kwargs)
-        else:  # gymnasium's vector envs autoreset on the next step by default, like envpool
-            self.pool = gym.make_vec(args.env_id.rpartition(":")[2], num_envs=num_envs, vectorization_mode="sync")
 
-    def reset(self):
-        obs, _ = self.pool.reset() if self.env.source == "envpool" else self.pool.reset(seed=self.seed)
-        return self.host_obs(obs)
+def make_envs(args, num_envs, seed):
+    env = describe_env(args.env_id, args.machado)
+    if env.source == "envpool":
+        kwargs = atari_kwargs(args.machado) if env.atari else {}
+        pool = envpool.make(args.env_id, env_type="gymnasium", num_envs=num_envs, seed=seed, **kwargs)
+    else:  # gymnasium's vector envs autoreset on the next step by default, like envpool
+        pool = gym.make_vec(args.env_id.rpartition(":")[2], num_envs=num_envs, vectorization_mode="sync")
+    return Envs(pool, env, seed)
 
-    def step(self, actions):
-        obs, reward, terminated, truncated, info = self.pool.step(actions)
-        if self.env.atari:
-            score, game_over = info["reward"], info["terminated"].astype(bool) | truncated  # the whole game's
-        else:
-            score, game_over = reward, terminated | truncated
-        return Step(self.host_obs(obs), reward.astype(np.float32), terminated, terminated | truncated, score, game_over)
 
-    def host_obs(self, obs):
-        """envpool's layout and no float64: gymnasium images [E, H, W, C] -> [E, C, H, W]."""
-        if self.env.source == "gymnasium" and obs.ndim == 4:
-            obs = np.moveaxis(obs, -1, 1)
-        return obs.astype(np.float32) if obs.dtype == np.float64 else obs
+def host_obs(obs, env):
+    """envpool's layout and no float64: gymnasium images [E, H, W, C] -> [E, C, H, W]."""
+    if env.source == "gymnasium" and obs.ndim == 4:
+        obs = np.moveaxis(obs, -1, 1)
+    return obs.astype(np.float32) if obs.dtype == np.float64 else obs
+
+
+def env_reset(envs):
+    """The first observations [E, *obs_shape]."""
+    obs, _ = envs.pool.reset() if envs.env.source == "envpool" else envs.pool.reset(seed=envs.seed)
+    return host_obs(obs, envs.env)
+
+
+def env_step(envs, actions):
+    obs, reward, terminated, truncated, info = envs.pool.step(actions)
+    if envs.env.atari:
+        score, game_over = info["reward"], info["terminated"].astype(bool) | truncated  # the whole game's
+    else:
+        score, game_over = reward, terminated | truncated
+    return Step(host_obs(obs, envs.env), reward.astype(np.float32), terminated, terminated | truncated, score,
+                game_over)
 
 
 # ---- The network: IMPALA paper figure 3 (without the LSTM) for images, an MLP for vectors -
@@ -432,7 +442,7 @@ def collect(envs, params, state, num_steps):
         actions, out, key = act(params, state.obs, state.key)
         actions, out = jax.device_get((actions, out))
         t1 = time.perf_counter()
-        step = envs.step(actions)
+        step = env_step(envs, actions)
         inference_s, env_s = inference_s + t1 - t0, env_s + time.perf_counter() - t1
         steps.append((state.obs, actions, out, step.reward, step.terminated, step.ended, ~state.ended))
         # A reset step (after any episode end, a life lost included) ignores the action: no step of a game.
@@ -483,10 +493,10 @@ class ParamStore:
 def actor_loop(stop, args, index, device, learner_devices, store, out, start_update, num_updates):
     """One actor thread (paper section 4): act on `device`, ship each rollout to the learners."""
     n = args.local_num_envs
-    envs = Envs(args, n, args.seed + index * n)
+    envs = make_envs(args, n, args.seed + index * n)
     # Each thread samples actions from its own stream, and a resumed run from new ones.
     key = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(args.seed), start_update), 1 + index)
-    state = ActorState(envs.reset(), jax.device_put(key, device), np.zeros(n, bool), np.zeros(n), np.zeros(n, int))
+    state = ActorState(env_reset(envs), jax.device_put(key, device), np.zeros(n, bool), np.zeros(n), np.zeros(n, int))
     put_s = 0.0  # a rollout's queue wait is known only after it is sent: reported with the next
     for u in range(start_update, num_updates):  # rollout u feeds update u + 1
         start = time.perf_counter()

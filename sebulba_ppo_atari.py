@@ -157,20 +157,21 @@ class Step(NamedTuple):
     game_over: np.ndarray  # [E] the whole game ended (Atari: its last life) or was truncated
 
 
-class Envs:
-    """One actor thread's batch of envs: reset() -> obs, step(actions) -> Step."""
+def make_envs(args, num_envs, seed):
+    """One actor thread's batch of envs."""
+    return envpool.make(args.env_id, env_type="gymnasium", num_envs=num_envs, seed=seed,
+                        num_threads=max(1, min(num_envs, os.cpu_count() or 1)), **atari_kwargs(args.machado))
 
-    def __init__(self, args, num_envs, seed):
-        self.pool = envpool.make(args.env_id, env_type="gymnasium", num_envs=num_envs, seed=seed,
-                                 num_threads=max(1, min(num_envs, os.cpu_count() or 1)), **atari_kwargs(args.machado))
 
-    def reset(self):
-        return self.pool.reset()[0]
+def env_reset(envs):
+    """The first observations [E, *obs_shape]."""
+    return envs.reset()[0]
 
-    def step(self, actions):
-        obs, reward, terminated, truncated, info = self.pool.step(actions)
-        score, game_over = info["reward"], info["terminated"].astype(bool) | truncated  # the whole game's
-        return Step(obs, reward.astype(np.float32), terminated, terminated | truncated, score, game_over)
+
+def env_step(envs, actions):
+    obs, reward, terminated, truncated, info = envs.step(actions)
+    score, game_over = info["reward"], info["terminated"].astype(bool) | truncated  # the whole game's
+    return Step(obs, reward.astype(np.float32), terminated, terminated | truncated, score, game_over)
 
 
 # ---- The network: Nature DQN CNN (Mnih et al. 2015), orthogonal init as in PPO ------------
@@ -389,7 +390,7 @@ def collect(envs, params, state, num_steps):
         actions, out, key = act(params, state.obs, state.key)
         actions, out = jax.device_get((actions, out))
         t1 = time.perf_counter()
-        step = envs.step(actions)
+        step = env_step(envs, actions)
         inference_s, env_s = inference_s + t1 - t0, env_s + time.perf_counter() - t1
         steps.append((state.obs, actions, out, step.reward, step.terminated, step.ended, ~state.ended))
         # A reset step (after any episode end, a life lost included) ignores the action: no step of a game.
@@ -440,10 +441,10 @@ class ParamStore:
 def actor_loop(stop, args, index, device, learner_devices, store, out, start_update, num_updates):
     """One actor thread (paper section 4): act on `device`, ship each rollout to the learners."""
     n = args.local_num_envs
-    envs = Envs(args, n, args.seed + index * n)
+    envs = make_envs(args, n, args.seed + index * n)
     # Each thread samples actions from its own stream, and a resumed run from new ones.
     key = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(args.seed), start_update), 1 + index)
-    state = ActorState(envs.reset(), jax.device_put(key, device), np.zeros(n, bool), np.zeros(n), np.zeros(n, int))
+    state = ActorState(env_reset(envs), jax.device_put(key, device), np.zeros(n, bool), np.zeros(n), np.zeros(n, int))
     put_s = 0.0  # a rollout's queue wait is known only after it is sent: reported with the next
     for u in range(start_update, num_updates):  # rollout u feeds update u + 1
         start = time.perf_counter()

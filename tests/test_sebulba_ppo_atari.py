@@ -188,11 +188,11 @@ def test_collect_returns_unclipped_whole_game_scores_and_marks_autoreset_steps(p
 
     args = ppo.Args()
     params = ppo.init_params(jax.random.PRNGKey(0), 4)
-    envs = ppo.Envs(args, 2, seed=7)
-    state = ppo.ActorState(envs.reset(), jax.random.PRNGKey(1), np.zeros(2, bool), np.zeros(2), np.zeros(2, int))
+    envs = ppo.make_envs(args, 2, seed=7)
+    state = ppo.ActorState(ppo.env_reset(envs), jax.random.PRNGKey(1), np.zeros(2, bool), np.zeros(2), np.zeros(2, int))
     rollout, _, returns, lengths, _ = ppo.collect(envs, params, state, 600)
 
-    replay = ppo.Envs(args, 2, seed=7).pool
+    replay = ppo.make_envs(args, 2, seed=7)
     replay.reset()
     score, scores, life_losses, prev_done = np.zeros(2), [], 0, np.zeros(2, bool)
     for t in range(600):
@@ -210,7 +210,7 @@ def test_collect_returns_unclipped_whole_game_scores_and_marks_autoreset_steps(p
 
 
 def test_machado_envs_reset_and_step(ppo):
-    envs = ppo.Envs(ppo.Args(machado=True), 2, seed=3).pool
+    envs = ppo.make_envs(ppo.Args(machado=True), 2, seed=3)
     obs, _ = envs.reset()
     for _ in range(5):
         obs, *_ = envs.step(np.random.default_rng(0).integers(0, 18, 2))
