@@ -82,13 +82,13 @@ class Args:
     epsilon: float = 0.01
     """probability of a uniformly random action (acting is otherwise greedy; the colab's is 0)"""
     log_every: int = 10
-    """updates per compiled call (no return to Python between them); one log line per call"""
+    """updates per compiled call (no return to Python between them); one log line and metrics row per call"""
     checkpoint_every: int = 100
-    """updates between checkpoints (one is always written at the end)"""
+    """updates between checkpoints, at the next log line (one is always written at the end)"""
     run_dir: str = "runs"
     """parent folder of run folders"""
     resume: str | None = None
-    """checkpoint.npz to continue from"""
+    """checkpoint.npz to continue from (same flags; the run goes on to --total-timesteps)"""
     distributed: bool = False
     """call jax.distributed.initialize() for a multi-host run"""
     coordinator_address: str | None = None
@@ -99,7 +99,7 @@ class Args:
     """index of this process (multi-host)"""
 
 
-# ---- The environment: Catch (bsuite, Osband et al. 2020), pure functions in JAX ----------
+# ---- The environment: Catch (bsuite, Osband et al. 2020), pure functions in JAX -----------
 
 ROWS, COLS = 10, 5
 NUM_ACTIONS = 3  # left, stay, right
@@ -132,7 +132,7 @@ def step(state, action, key):
     return state, reward, done
 
 
-# ---- The network: the paper's Q-network, one hidden layer of 256 units ------------------
+# ---- The network: the paper's Q-network, one hidden layer of 256 units --------------------
 
 def linear(key, n_in, n_out):
     """A layer initialised as Haiku's `hk.Linear` (the colab's): normal truncated at 2 std, std 1/sqrt(n_in)."""
@@ -151,7 +151,7 @@ def apply(params, obs):
     return x @ params["out"]["w"] + params["out"]["b"]
 
 
-# ---- The loss: Q(lambda) (Watkins/Peng-style lambda-returns that bootstrap with max_a Q) --
+# ---- The loss: Q(lambda) (Watkins/Peng-style lambda-returns that bootstrap with max_a Q) ----
 
 def lambda_returns(rewards, discounts, next_values, lam):
     """G_t = r_t + d_t ((1 - lam) v_{t+1} + lam G_{t+1}), with G_T-1 bootstrapping on v_T.
@@ -166,6 +166,26 @@ def lambda_returns(rewards, discounts, next_values, lam):
     _, returns = jax.lax.scan(backward, next_values[-1], (rewards, discounts, next_values), reverse=True)
     return returns
 
+
+def q_lambda_loss(q, q_last, actions, rewards, dones, gamma, lam):
+    """Mean squared TD error of Q(s_t, a_t) against Q(lambda) returns (the colab's loss).
+
+    q: [T, A] Q-values at s_0..s_T-1; q_last: [A] at s_T; the rest [T]. Q at s_t+1 is the
+    next step's row of `q`; after an episode end that row belongs to the reset state, and
+    the zero discount masks it out.
+    """
+    next_values = jnp.max(jnp.concatenate([q[1:], q_last[None]]), axis=-1)
+    targets = lambda_returns(rewards, gamma * (1.0 - dones), next_values, lam)
+    q_taken = jnp.take_along_axis(q, actions[:, None], axis=-1)[:, 0]
+    return jnp.mean((jax.lax.stop_gradient(targets) - q_taken) ** 2)
+
+
+class Losses(NamedTuple):
+    td_loss: jax.Array  # the Q(lambda) loss
+    q_values: jax.Array  # mean Q-value of the states acted in
+
+
+# ---- Acting and learning on one device (the Anakin unit) ----------------------------------
 
 class Lane(NamedTuple):
     """What one environment lane carries from update to update."""
@@ -185,6 +205,35 @@ class Trajectory(NamedTuple):
     ended_length: jax.Array
 
 
+class TrainState(NamedTuple):
+    """What the run carries from update to update."""
+    params: dict
+    opt_state: optax.OptState
+    lanes: Lane  # leaves [num envs, ...], split across devices
+
+
+class Stats(NamedTuple):
+    """One update's figures, summed over the updates of a compiled call."""
+    losses: Losses  # means over lanes and devices
+    return_sum: jax.Array  # summed over the episodes that ended, on all devices
+    length_sum: jax.Array
+    episodes: jax.Array
+
+
+def make_optimizer(args):
+    return optax.adam(args.learning_rate)
+
+
+def init_state(key, args, num_envs):
+    k_params, k_lanes = jax.random.split(key)
+    params = init_params(k_params)
+    keys = jax.vmap(jax.random.split)(jax.random.split(k_lanes, num_envs))  # [envs, 2, 2]
+    envs = jax.vmap(reset)(keys[:, 0])
+    zeros = jnp.zeros(num_envs)
+    lanes = Lane(envs, keys[:, 1], zeros, zeros.astype(jnp.int32))
+    return TrainState(params, make_optimizer(args).init(params), lanes)
+
+
 def rollout(params, lane, args):
     """Act greedily (epsilon-greedy) for `num_steps` in one lane; also the bootstrap Q-values."""
     def act_and_step(lane, _):
@@ -201,101 +250,78 @@ def rollout(params, lane, args):
     return lane, traj, apply(params, observe(lane.env))
 
 
-def q_lambda_loss(q, q_last, actions, rewards, dones, gamma, lam):
-    """Mean squared TD error of Q(s_t, a_t) against Q(lambda) returns (the colab's loss).
-
-    q: [T, A] Q-values at s_0..s_T-1; q_last: [A] at s_T; the rest [T]. Q at s_t+1 is the
-    next step's row of `q`; after an episode end that row belongs to the reset state, and
-    the zero discount masks it out.
-    """
-    next_values = jnp.max(jnp.concatenate([q[1:], q_last[None]]), axis=-1)
-    targets = lambda_returns(rewards, gamma * (1.0 - dones), next_values, lam)
-    q_taken = jnp.take_along_axis(q, actions[:, None], axis=-1)[:, 0]
-    return jnp.mean((jax.lax.stop_gradient(targets) - q_taken) ** 2)
-
-
-class Stats(NamedTuple):
-    loss: jax.Array
-    q_mean: jax.Array
-    return_sum: jax.Array  # summed over the episodes that ended
-    length_sum: jax.Array
-    episodes: jax.Array
-
-
 def lane_loss(params, lane, args):
     """The minimal unit: one lane's rollout, scored with Q(lambda) (the paper's example)."""
     lane, traj, q_last = rollout(params, lane, args)
     loss = q_lambda_loss(traj.q, q_last, traj.action, traj.reward, traj.done, args.gamma, args.q_lambda)
-    stats = Stats(loss, traj.q.mean(), traj.ended_return.sum(), traj.ended_length.sum(), traj.done.sum())
+    stats = Stats(Losses(loss, traj.q.mean()), traj.ended_return.sum(), traj.ended_length.sum(), traj.done.sum())
     return loss, (lane, stats)
 
 
-# ---- Acting and learning on one device, then replicated (the Anakin mapping) --------------
-
-class Learner(NamedTuple):
-    params: dict
-    opt_state: optax.OptState
-    lanes: Lane  # leaves [envs, ...], split across devices
-
-
-def make_optimizer(args):
-    return optax.adam(args.learning_rate)
-
-
-def init_learner(key, args, num_envs):
-    k_params, k_lanes = jax.random.split(key)
-    params = init_params(k_params)
-    keys = jax.vmap(jax.random.split)(jax.random.split(k_lanes, num_envs))  # [envs, 2, 2]
-    envs = jax.vmap(reset)(keys[:, 0])
-    zeros = jnp.zeros(num_envs)
-    lanes = Lane(envs, keys[:, 1], zeros, zeros.astype(jnp.int32))
-    return Learner(params, make_optimizer(args).init(params), lanes)
-
-
-def update(learner, args):
+def update(state, args):
     """One update on one device: its lanes' rollouts, then gradients averaged everywhere."""
     def device_loss(params):  # the lanes' mean loss: its gradient is the lanes' mean gradient
-        losses, aux = jax.vmap(lane_loss, (None, 0, None))(params, learner.lanes, args)
+        losses, aux = jax.vmap(lane_loss, (None, 0, None))(params, state.lanes, args)
         return losses.mean(), aux
 
-    (_, (lanes, stats)), grads = jax.value_and_grad(device_loss, has_aux=True)(learner.params)
+    (_, (lanes, stats)), grads = jax.value_and_grad(device_loss, has_aux=True)(state.params)
     # The paper vmaps the whole update with params broadcast to each lane and pmeans the
     # per-lane gradients over the batch axis. Every lane holds the same parameters, so that
     # mean is the gradient of the lanes' mean loss taken once here: the same numbers without
     # a copy of params and Adam state per lane. Then average across devices (and hosts).
     grads = jax.lax.pmean(grads, "devices")
-    updates, opt_state = make_optimizer(args).update(grads, learner.opt_state)
-    params = optax.apply_updates(learner.params, updates)
-    stats = Stats(jax.lax.pmean(stats.loss.mean(), "devices"), jax.lax.pmean(stats.q_mean.mean(), "devices"),
-                  *(jax.lax.psum(x.sum(), "devices") for x in stats[2:]))
-    return Learner(params, opt_state, lanes), stats
+    updates, opt_state = make_optimizer(args).update(grads, state.opt_state)
+    params = optax.apply_updates(state.params, updates)
+    stats = Stats(jax.lax.pmean(jax.tree.map(jnp.mean, stats.losses), "devices"),
+                  *(jax.lax.psum(x.sum(), "devices") for x in stats[1:]))
+    return TrainState(params, opt_state, lanes), stats
+
+
+# ---- The device mapping: loop updates, shard_map devices ----------------------------------
+
+STATE_SPECS = TrainState(P(), P(), P("devices"))  # parameters replicated, lanes split
 
 
 def make_train(args, mesh):
-    """The compiled call: `num_updates` updates on every device of `mesh`, and their Stats summed.
-
-    The count is an argument (at most --log-every), so one compilation serves every call.
-    """
-    def train(learner, num_updates):
+    """The compiled call: `n` updates on every device of `mesh`, and their Stats summed. The count
+    is traced (at most --log-every), so the last, shorter call compiles nothing more."""
+    def train(state, n):
         def one_update(_, carry):
-            learner, totals = carry
-            learner, stats = update(learner, args)
-            return learner, jax.tree.map(jnp.add, totals, stats)
+            state, total = carry
+            state, stats = update(state, args)
+            return state, jax.tree.map(jnp.add, total, stats)
 
-        return jax.lax.fori_loop(0, num_updates, one_update, (learner, Stats(*[jnp.float32(0)] * 5)))
+        zeros = Stats(Losses(jnp.float32(0), jnp.float32(0)), jnp.float32(0), jnp.float32(0), jnp.float32(0))
+        return jax.lax.fori_loop(0, n, one_update, (state, zeros))
 
-    # check_vma=False: params enter replicated (P()) and we average their gradients
-    # ourselves with pmean; with check_vma=True JAX would already sum them across devices.
-    specs = Learner(P(), P(), P("devices"))
-    sharded = jax.shard_map(train, mesh=mesh, in_specs=(specs, P()), out_specs=(specs, P()), check_vma=False)
+    # check_vma=False: parameters enter replicated (P()) and the body combines the devices' gradients
+    # itself (pmean or psum); with the check on, JAX would already have summed them across devices.
+    sharded = jax.shard_map(train, mesh=mesh, in_specs=(STATE_SPECS, P()), out_specs=(STATE_SPECS, P()),
+                            check_vma=False)
     return jax.jit(sharded, donate_argnums=0)
 
 
 def shardings(mesh):
-    return Learner(NamedSharding(mesh, P()), NamedSharding(mesh, P()), NamedSharding(mesh, P("devices")))
+    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), STATE_SPECS)
 
 
-# ---- This script's flags, devices and metrics --------------------------------------------
+def init_on_mesh(args, mesh, num_envs):
+    """A compiled init of the TrainState, laid out on the mesh (each host makes its own shards), and
+    the shapes it returns (a checkpoint's template)."""
+    key = jax.random.PRNGKey(args.seed)
+    init = jax.jit(partial(init_state, args=args, num_envs=num_envs), out_shardings=shardings(mesh))
+    return lambda: init(key), jax.eval_shape(init, key)
+
+
+def place(state, mesh):
+    """A host TrainState (NumPy leaves, every host's envs) onto the mesh, laid out as STATE_SPECS says."""
+    def put(sharding, part):
+        return jax.tree.map(lambda a: jax.make_array_from_callback(a.shape, sharding, lambda i: a[i]), part)
+
+    return jax.tree.map(put, shardings(mesh), state)
+
+
+# ---- This script's flags, devices and metrics ---------------------------------------------
 
 def check_args(args):
     """Every flag, before anything is compiled."""
@@ -306,6 +332,7 @@ def check_args(args):
     check_flags(args, counts=("total_timesteps", "num_envs_per_device", "num_steps", "log_every", "checkpoint_every"),
                 unit=("gamma", "q_lambda", "epsilon"), positive=("learning_rate",))
     check_seed(args.seed, 2**32)
+    return args
 
 
 def pick_devices(args):
@@ -318,19 +345,12 @@ def pick_devices(args):
     return Mesh(np.array(devices), ("devices",))
 
 
-def place(learner, mesh):
-    """Put a host Learner (NumPy leaves, all lanes) onto the mesh: params replicated, lanes split."""
-    def put(sharding, part):
-        return jax.tree.map(lambda a: jax.make_array_from_callback(a.shape, sharding, lambda i: a[i]), part)
-
-    return Learner(*map(put, shardings(mesh), learner))
-
-
-def summarize(stats, n, args, sps):
-    """The metrics row of one call, from its Stats summed over `n` updates."""
-    row = {"charts/SPS": sps, "charts/learning_rate": args.learning_rate,
-           "losses/td_loss": stats.loss / n, "losses/q_values": stats.q_mean / n}
-    if stats.episodes > 0:
+def metrics_row(stats, n, lr, sps):
+    """The metrics of one call, from its Stats summed over `n` updates."""
+    stats = jax.tree.map(float, stats)
+    row = {"charts/SPS": sps, "charts/learning_rate": lr,
+           **{f"losses/{name}": value / n for name, value in stats.losses._asdict().items()}}
+    if stats.episodes > 0:  # the episodes that ended during the call
         row["charts/episodic_return"] = stats.return_sum / stats.episodes
         row["charts/episodic_length"] = stats.length_sum / stats.episodes
     return row
@@ -600,9 +620,9 @@ def checksum(params):
 
 # ---- The run ------------------------------------------------------------------------------
 
-def main(args):
+def main(args: Args) -> dict:
     caught = catch_stop_signals()
-    check_args(args)
+    args = check_args(args)
     start_distributed(args)
     mesh = pick_devices(args)
     num_envs = args.num_envs_per_device * mesh.size
@@ -611,26 +631,27 @@ def main(args):
     if num_updates < 1:
         fail(f"--total-timesteps {args.total_timesteps:,} is less than one update: {steps_per_update:,} steps "
              f"(--num-steps {args.num_steps} x {args.num_envs_per_device} envs x {mesh.size} devices)")
-    init = partial(init_learner, args=args, num_envs=num_envs)
-    key = jax.random.PRNGKey(args.seed)
-    template = {"learner": jax.eval_shape(init, key), "update": np.int64(0), "global_step": np.int64(0)}
+    init, shapes = init_on_mesh(args, mesh, num_envs)
+    template = {"state": shapes, "update": np.int64(0), "global_step": np.int64(0)}
     if args.resume:
         ckpt = load(args.resume, template, num_updates, "same --num-envs-per-device and device count?")
     run = open_run(args)
     if args.resume:
-        learner, update, global_step = place(ckpt["learner"], mesh), int(ckpt["update"]), int(ckpt["global_step"])
+        state, update, global_step = place(ckpt["state"], mesh), int(ckpt["update"]), int(ckpt["global_step"])
     else:
-        learner, update, global_step = jax.jit(init, out_shardings=shardings(mesh))(key), 0, 0
+        state, update, global_step = init(), 0, 0
+    first = update
 
-    def checkpoint():  # every process takes part in gathering the lanes of all hosts; process 0 writes
-        host = multihost_utils.process_allgather(learner, tiled=True)
-        save(run.checkpoint, {"learner": host, "update": np.int64(update), "global_step": np.int64(global_step)})
+    def checkpoint():  # every process takes part in gathering every host's envs; process 0 writes
+        host = multihost_utils.process_allgather(state, tiled=True)
+        save(run.checkpoint, {"state": host, "update": np.int64(update), "global_step": np.int64(global_step)})
 
     try:
         tic = time.time()  # compiled ahead of time, so SPS never includes compilation
-        train = make_train(args, mesh).lower(learner, np.int32(args.log_every)).compile()
+        train = make_train(args, mesh)
+        train = train.lower(state, np.int32(args.log_every)).compile()
         print(f"compiled in {time.time() - tic:.1f}s", flush=True)
-        last_saved, row, beat = update, {}, watch_peers(run)
+        start, row, beat = time.time(), {}, watch_peers(run)
         while update < num_updates:
             beat()
             if signum := stop_signal(caught):
@@ -638,23 +659,24 @@ def main(args):
                 stopped(signum, update, run)
             n = min(args.log_every, num_updates - update)
             tic = time.time()
-            learner, stats = train(learner, np.int32(n))
-            stats = Stats(*(float(x.addressable_data(0)) for x in stats))  # sums over n updates; waits
-            update, global_step, seconds = update + n, global_step + n * steps_per_update, time.time() - tic
-            check_finite({"td_loss": stats.loss}, update, run)
-            row = {"global_step": global_step, "update": update,
-                   **summarize(stats, n, args, n * steps_per_update / seconds)}
-            log(run, row, update, num_updates, num_updates * steps_per_update, (num_updates - update) / n * seconds)
-            if update - last_saved >= args.checkpoint_every:
+            state, stats = train(state, np.int32(n))
+            stats = jax.device_get(stats)  # sums over the call's n updates; waits for them
+            update, global_step = update + n, global_step + n * steps_per_update
+            sps = n * steps_per_update / (time.time() - tic)
+            lr = args.learning_rate  # constant: no schedule
+            row = {"global_step": global_step, "update": update, **metrics_row(stats, n, lr, sps)}
+            check_finite({name: value for name, value in row.items() if name.startswith("losses/")}, update, run)
+            eta = (time.time() - start) / (update - first) * (num_updates - update)
+            log(run, row, update, num_updates, num_updates * steps_per_update, eta)
+            if update % args.checkpoint_every < n and update < num_updates:
                 checkpoint()
-                last_saved = update
         checkpoint()
     except jax.errors.JaxRuntimeError as e:
         if jax.process_count() == 1:
             raise
         lost_peer(e, run)
     close(run)
-    row["checksum"] = checksum(learner.params)
+    row["checksum"] = checksum(state.params)
     print(f"checksum {row['checksum']}", flush=True)
     return row
 

@@ -43,7 +43,7 @@ def timed(fn, *args):
 def best_of(*measures, rounds=8):
     """Calls each `measure()` (it returns seconds) in turn, `rounds` + 1 times, and keeps each one's
     best after the first (warm-up) round. Interleaved, so a machine whose speed drifts slows all
-    alike; on this VM Catch's ratio at 1024 envs ranged 25-36% as the best of 3, 27-29% of 8."""
+    alike; the best of many rounds, as the best of a few still varies with the drift."""
     times = [[measure() for measure in measures] for _ in range(rounds + 1)]
     return [min(column) for column in zip(*times[1:])]
 
@@ -56,31 +56,30 @@ def best_of(*measures, rounds=8):
 def catch_worker(envs, iters):
     import jax
     import numpy as np
-    from jax.sharding import Mesh, PartitionSpec as P
+    from jax.sharding import Mesh
 
     catch = load("anakin_catch.py")
     args = catch.Args(num_envs_per_device=envs)
     mesh = Mesh(np.array(jax.devices()), ("devices",))
-    init = jax.jit(lambda key: catch.init_learner(key, args, envs * mesh.size), out_shardings=catch.shardings(mesh))
-    learner = init(jax.random.PRNGKey(0))
+    init, _ = catch.init_on_mesh(args, mesh, envs * mesh.size)
+    state = init()
 
-    def rollouts(learner):  # the same vmapped rollouts with their forward passes, no learning
+    def rollouts(state):  # the same vmapped rollouts with their forward passes, no learning
         def one(lanes, _):
-            lanes, traj, _ = jax.vmap(catch.rollout, (None, 0, None))(learner.params, lanes, args)
+            lanes, traj, _ = jax.vmap(catch.rollout, (None, 0, None))(state.params, lanes, args)
             return lanes, traj.reward.sum()
-        return learner._replace(lanes=jax.lax.scan(one, learner.lanes, length=iters)[0])
+        return state._replace(lanes=jax.lax.scan(one, state.lanes, length=iters)[0])
 
-    specs = catch.Learner(P(), P(), P("devices"))
-    rollout_only = jax.jit(jax.shard_map(rollouts, mesh=mesh, in_specs=(specs,), out_specs=specs,
-                                         check_vma=False)).lower(learner).compile()
+    rollout_only = jax.jit(jax.shard_map(rollouts, mesh=mesh, in_specs=(catch.STATE_SPECS,),
+                                         out_specs=catch.STATE_SPECS, check_vma=False)).lower(state).compile()
     start = time.perf_counter()
     n = np.int32(iters)
-    train = catch.make_train(args, mesh).lower(learner, n).compile()
+    train = catch.make_train(args, mesh).lower(state, n).compile()
     compile_s = time.perf_counter() - start
     steps = iters * args.num_steps * envs * mesh.size
     train_s, rollout_s = best_of(
-        lambda: timed(train, jax.block_until_ready(init(jax.random.PRNGKey(0))), n),  # train donates its input
-        lambda: timed(rollout_only, learner))
+        lambda: timed(train, jax.block_until_ready(init()), n),  # train donates its input
+        lambda: timed(rollout_only, state))
     return {"train_sps": steps / train_s, "rollout_sps": steps / rollout_s, "train_compile_s": compile_s}
 
 

@@ -11,8 +11,9 @@ from conftest import checksum, error_line, load, run, run_two_hosts, spawn
 
 catch = load("anakin_catch.py")
 SCRIPT = "anakin_catch.py"
-STEPS_PER_UPDATE = 16 * 128  # default --num-steps x --num-envs-per-device
-BUDGET = catch.Args.total_timesteps  # the default --total-timesteps
+DEFAULT = catch.Args()  # the default flags
+ENVS = DEFAULT.num_envs_per_device
+STEPS_PER_UPDATE = DEFAULT.num_steps * ENVS
 
 
 def play(actions, ball_x=3, key=0):
@@ -144,7 +145,7 @@ def test_q_lambda_gradient_moves_only_the_taken_q_values_towards_fixed_targets()
 
 def final_params(result):
     with np.load(result.run_dir / "checkpoint.npz") as f:
-        return {k: f[k] for k in f if k.startswith("learner/params")}
+        return {k: f[k] for k in f if k.startswith("state/params")}
 
 
 def test_default_run_learns_catch(tmp_path):
@@ -152,25 +153,25 @@ def test_default_run_learns_catch(tmp_path):
     assert result.returncode == 0, result.output[-3000:]
     assert result.last("charts/episodic_return") >= 0.9
     assert result.last("charts/episodic_length") == 9.0
-    assert result.last("global_step") == BUDGET // STEPS_PER_UPDATE * STEPS_PER_UPDATE
+    assert result.last("global_step") == DEFAULT.total_timesteps // STEPS_PER_UPDATE * STEPS_PER_UPDATE
 
 
 @pytest.mark.parametrize("devices", [2, 4])
 def test_default_run_learns_on_several_devices_and_counts_steps_over_all(tmp_path, devices):
-    """The default run (1 device: test above) with its 128 envs split over 2 or 4 devices."""
-    result = run(SCRIPT, ["--num-envs-per-device", 128 // devices, "--log-every", 25], tmp_path, devices=devices)
+    """The default run (1 device: test above) with its envs split over 2 or 4 devices."""
+    result = run(SCRIPT, ["--num-envs-per-device", ENVS // devices, "--log-every", 25], tmp_path, devices=devices)
     assert result.returncode == 0, result.output[-3000:]
-    per_update = 16 * (128 // devices) * devices
+    per_update = DEFAULT.num_steps * (ENVS // devices) * devices
     assert [m["global_step"] for m in result.metrics] == [m["update"] * per_update for m in result.metrics]
-    assert result.last("global_step") == BUDGET // per_update * per_update
+    assert result.last("global_step") == DEFAULT.total_timesteps // per_update * per_update
     assert result.last("charts/episodic_return") >= 0.9
 
 
 def test_splitting_envs_over_devices_gives_the_same_updates(tmp_path):
-    """128 envs on 1 device, 2x64 or 4x32: gradients are averaged, so parameters agree."""
+    """The default envs on 1 device, or split over 2 or 4: gradients are averaged, so parameters agree."""
     params = []
     for devices in (1, 2, 4):
-        result = run(SCRIPT, ["--num-envs-per-device", 128 // devices, "--total-timesteps", 10 * STEPS_PER_UPDATE],
+        result = run(SCRIPT, ["--num-envs-per-device", ENVS // devices, "--total-timesteps", 10 * STEPS_PER_UPDATE],
                      tmp_path / str(devices), devices=devices)
         assert result.returncode == 0, result.output[-3000:]
         params.append(final_params(result))
@@ -201,12 +202,13 @@ def test_resume_continues_bitwise_as_one_straight_run(tmp_path):
 
 
 def test_two_hosts_hold_identical_parameters_and_count_all_devices(tmp_path):
-    args = ["--num-envs-per-device", 32, "--total-timesteps", 10 * 16 * 32 * 4]
+    budget = 10 * DEFAULT.num_steps * 32 * 4  # 10 updates of 32 envs on each of 4 devices in all
+    args = ["--num-envs-per-device", 32, "--total-timesteps", budget]
     hosts = run_two_hosts(SCRIPT, args, tmp_path, devices=2)
     for host in hosts:
         assert host.returncode == 0, host.output[-3000:]
     assert checksum(hosts[0].output) == checksum(hosts[1].output)
-    assert hosts[0].last("global_step") == 10 * 16 * 32 * 4  # 4 devices in all
+    assert hosts[0].last("global_step") == budget
     assert hosts[1].run_dir is None  # only process 0 writes the run folder
     # the same 128 lanes on one host with 4 devices make the same updates
     single = run(SCRIPT, args, tmp_path / "single", devices=4)
@@ -225,7 +227,7 @@ def test_ctrl_c_writes_a_loadable_checkpoint_and_exits(tmp_path):
     (run_dir,) = (tmp_path / "runs").iterdir()
     with np.load(run_dir / "checkpoint.npz", allow_pickle=False) as f:
         assert int(f["update"]) >= 20
-        assert f["learner/lanes/key"].shape == (128, 2)
+        assert f["state/lanes/key"].shape == (ENVS, 2)
 
 
 def test_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path):
@@ -237,7 +239,7 @@ def test_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_pa
     assert "error: non-finite loss at update 2" in result.output
     with np.load(result.run_dir / "checkpoint.npz", allow_pickle=False) as f:
         assert int(f["update"]) == 1
-        assert all(np.isfinite(f[k]).all() for k in f if k.startswith("learner/params"))
+        assert all(np.isfinite(f[k]).all() for k in f if k.startswith("state/params"))
 
 
 # ---- Bad input ----------------------------------------------------------------------------
@@ -245,7 +247,7 @@ def test_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_pa
 @pytest.mark.parametrize("args, words", [
     (["--env-id", "Catc"], ["--env-id", "'Catc'", "did you mean 'Catch'"]),
     (["--num-devices", 3], ["--num-devices 3", "2 device"]),
-    (["--total-timesteps", 1000], ["--total-timesteps", "one update", "4,096"]),
+    (["--total-timesteps", 1000], ["--total-timesteps", "one update", f"{2 * STEPS_PER_UPDATE:,}"]),
     (["--num-envs-per-device", 0], ["--num-envs-per-device 0", "at least 1"]),
     (["--epsilon", 1.5], ["--epsilon 1.5", "[0, 1]"]),
     (["--resume", "nowhere.npz"], ["--resume", "nowhere.npz", "no such"]),
@@ -261,7 +263,7 @@ def test_corrupt_or_mismatched_checkpoint_is_refused(tmp_path):
     corrupt = tmp_path / "corrupt.npz"
     corrupt.write_bytes(b"not a checkpoint")
     assert "not a readable checkpoint" in error_line(run(SCRIPT, ["--resume", corrupt], tmp_path / "a"))
-    small = run(SCRIPT, ["--num-envs-per-device", 8, "--total-timesteps", 16 * 8], tmp_path / "b")
+    small = run(SCRIPT, ["--num-envs-per-device", 8, "--total-timesteps", DEFAULT.num_steps * 8], tmp_path / "b")
     assert small.returncode == 0, small.output[-3000:]
     line = error_line(run(SCRIPT, ["--resume", small.run_dir / "checkpoint.npz"], tmp_path / "c"))
-    assert "does not match" in line and "[8" in line and "[128" in line
+    assert "does not match" in line and "[8" in line and f"[{ENVS}" in line

@@ -139,7 +139,7 @@ def test_a_dead_peer_ends_the_survivor_within_two_minutes_leaving_a_checkpoint_t
     assert str(ckpt) in errors[0]
     with np.load(ckpt, allow_pickle=False) as f:
         update = int(f["update"])
-        assert update >= 10 and f["learner/lanes/key"].shape == (128, 2)  # both hosts' lanes
+        assert update >= 10 and f["state/lanes/key"].shape == (128, 2)  # both hosts' lanes
     # The same 4 devices' worth of lanes on one process carry on from it.
     budget = (update + 5) * 16 * 128
     resumed = run(script, [*args, "--total-timesteps", budget, "--resume", ckpt], tmp_path / "resumed", devices=4)
