@@ -3,7 +3,7 @@
 The environments (CartPole-v1, Pendulum-v1, same rules as gymnasium 1.4's) live in this file,
 so rollouts, GAE and every epoch and minibatch of PPO (Schulman et al. 2017) are one XLA
 program. The minimal unit is `update`: one agent on one device rolls its envs out for
-`--num-steps`, then does `--num-epochs` x `--num-minibatches` clipped-surrogate steps. It is
+`--num-steps`, then does `--update-epochs` x `--num-minibatches` clipped-surrogate steps. It is
 looped `--log-every` times inside one compiled call, `vmap`ped over `--num-seeds` independent
 agents, and replicated over every device (and host) with `jit` + `shard_map`.
 
@@ -74,7 +74,7 @@ class Args:
     """devices used on each host (default: all local devices)"""
     num_steps: int | None = None
     """rollout length of one update, per env (default: per env)"""
-    num_epochs: int | None = None
+    update_epochs: int | None = None
     """passes over each rollout (default: per env)"""
     num_minibatches: int | None = None
     """minibatches per epoch, drawn on each device from its own rollout (default: per env)"""
@@ -93,7 +93,7 @@ class Args:
     max_grad_norm: float = 0.5
     """global-norm gradient clip"""
     log_every: int = 50
-    """updates per compiled call; one log line and metrics row per call"""
+    """updates per compiled call (no return to Python between them); one log line and metrics row per call"""
     checkpoint_every: int = 500
     """updates between checkpoints, at the next log line (one is always written at the end)"""
     run_dir: str = "runs"
@@ -116,13 +116,13 @@ class Args:
 # bonus or value clip (returns reach -300, far outside a 0.2 clip range).
 DEFAULTS = {
     "CartPole-v1": dict(total_timesteps=500_000, learning_rate=2.5e-4, num_envs_per_device=4, num_steps=128,
-                        num_epochs=4, num_minibatches=4, gamma=0.99, clip_vloss=True, ent_coef=0.01),
+                        update_epochs=4, num_minibatches=4, gamma=0.99, clip_vloss=True, ent_coef=0.01),
     "Pendulum-v1": dict(total_timesteps=1_000_000, learning_rate=1e-3, num_envs_per_device=32, num_steps=128,
-                        num_epochs=10, num_minibatches=32, gamma=0.95, clip_vloss=False, ent_coef=0.0),
+                        update_epochs=10, num_minibatches=32, gamma=0.95, clip_vloss=False, ent_coef=0.0),
 }
 
 
-# ---- The environments: pure JAX copies of gymnasium 1.4's classic control -----------------
+# ---- The environment: CartPole and Pendulum, pure JAX copies of gymnasium 1.4's classic control
 # An env is a handful of pure functions on one (unbatched) state, any pytree of arrays. To
 # bring your own, write these and add an `Env` to ENVS; time limit and auto-reset are generic.
 
@@ -259,7 +259,7 @@ def apply(params, obs):
     return mlp(params["actor"], obs), mlp(params["critic"], obs)[..., 0]
 
 
-# ---- The policy's distribution: categorical (discrete) or diagonal Gaussian (continuous) ---
+# The policy's distribution: categorical (discrete) or diagonal Gaussian (continuous).
 
 def categorical_log_prob(logits, action):
     return jnp.take_along_axis(jax.nn.log_softmax(logits), action[..., None], axis=-1)[..., 0]
@@ -342,22 +342,6 @@ def value_loss(new_values, old_values, targets, clip_coef, clip):
     return 0.5 * loss.mean()
 
 
-def permutations(key, num, n):
-    """`num` uniformly random permutations of range(n), [num, n]: each a sort by random keys.
-
-    A key is `words` uint32s compared in turn, the row index packed into the last one's low bits
-    (XLA:CPU sorts packed keys faster than keys with an index array beside them). Rows whose keys
-    tie keep their order, which is their order in time; one word would leave 32 - log2(n) random
-    bits, and at 2^20 rows thousands of ties. With at least 2 log2(n) + 32 random bits, any tie in
-    a shuffle has probability below 2^-33, at every size.
-    """
-    bits = max(1, (n - 1).bit_length())
-    words = 1 + -(-3 * bits // 32)  # ceil: 32 * words - bits >= 2 * bits + 32
-    keys = list(jax.random.bits(key, (words, num, n)))
-    keys[-1] = (keys[-1] << bits) | jnp.arange(n, dtype=jnp.uint32)
-    return (jax.lax.sort(keys, num_keys=words)[-1] & ((1 << bits) - 1)).astype(jnp.int32)
-
-
 class Batch(NamedTuple):
     """Rows of transitions for the PPO loss; leaves [N, ...]."""
     obs: jax.Array
@@ -376,18 +360,15 @@ class Losses(NamedTuple):
     clipfrac: jax.Array
 
 
-AXIS = "devices"  # the mesh axis: every device of every host
-
-
 def normalize(advantages):
     """Zero mean, unit std over the agent's global minibatch: its rows on every device.
 
     Normalising on each device alone would make N devices run another algorithm than one (with
     one env a device, one env's statistics). Under `vmap` over seeds a psum sums each seed's own.
     """
-    n = jax.lax.psum(jnp.float32(advantages.size), AXIS)
-    mean = jax.lax.psum(advantages.sum(), AXIS) / n
-    var = jax.lax.psum(((advantages - mean) ** 2).sum(), AXIS) / n
+    n = jax.lax.psum(jnp.float32(advantages.size), "devices")
+    mean = jax.lax.psum(advantages.sum(), "devices") / n
+    var = jax.lax.psum(((advantages - mean) ** 2).sum(), "devices") / n
     return (advantages - mean) / (jnp.sqrt(var) + 1e-8)
 
 
@@ -401,16 +382,23 @@ def ppo_loss(params, batch, args):
     return loss, Losses(pg_loss, v_loss, ent, approx_kl, clipfrac)
 
 
-# ---- Acting and learning for one agent on one device (the Anakin unit) ---------------------
+# ---- Acting and learning on one device (the Anakin unit) ----------------------------------
 
-class Runner(NamedTuple):
+class Trajectory(NamedTuple):
+    """One agent's rollout on one device; leaves [T, E, ...]."""
+    obs: jax.Array  # what the agent saw when it acted
+    action: jax.Array
+    log_prob: jax.Array  # of the action, under the policy that acted
+    step: Step  # what the env did
+
+
+class TrainState(NamedTuple):
     """What one agent carries from update to update."""
     params: dict
     opt_state: optax.OptState
     env_state: EnvState  # leaves [num envs, ...], split across devices
     obs: jax.Array  # [num envs, O]
     key: jax.Array  # the same on every device; each device folds in its index
-    update: jax.Array  # updates done (int32)
 
 
 class Stats(NamedTuple):
@@ -422,19 +410,24 @@ class Stats(NamedTuple):
 
 
 def make_optimizer(args):
-    # Adam without a step size: `update` scales by the (annealed) learning rate itself. Flattened:
+    # Adam without a step size: `gradient_steps` applies the (annealed) learning rate itself. Flattened:
     # all parameters as one vector, so each step is a few kernels rather than a few per array.
     return optax.flatten(optax.chain(optax.clip_by_global_norm(args.max_grad_norm), optax.scale_by_adam(eps=1e-5)))
 
 
-def init_runner(key, params, args, env, num_envs):
+def learning_rate(args, num_updates, update):
+    """The step size of update number `update` (counted from 0); --anneal-lr decays it linearly to zero."""
+    return args.learning_rate * (1.0 - update / num_updates if args.anneal_lr else 1.0)
+
+
+def init_state(key, params, args, env, num_envs):
     k_envs, k_run = jax.random.split(key)
     env_state, obs = jax.vmap(lambda k: env_reset(env, k))(jax.random.split(k_envs, num_envs))
-    return Runner(params, make_optimizer(args).init(params), env_state, obs, k_run, jnp.int32(0))
+    return TrainState(params, make_optimizer(args).init(params), env_state, obs, k_run)
 
 
 def rollout(params, env_state, obs, k_act, k_reset, args, env):
-    """Act for `num_steps` in every env of this device; returns the trajectory, leaves [T, E, ...]."""
+    """Act for `num_steps` in every env of this device."""
     num_envs = obs.shape[0]
     # All the rollout's randomness drawn up front, in two batched calls: action noise, and an
     # episode start for every env and step (used only where an episode ends).
@@ -448,86 +441,124 @@ def rollout(params, env_state, obs, k_act, k_reset, args, env):
         out = mlp(params["actor"], obs)  # acting needs only the actor, which also gives the old log-probs
         action = sample(params, out, noise)
         env_state, step = jax.vmap(lambda s, a, f: env_step(env, s, a, f))(env_state, action, fresh)
-        return (env_state, step.obs), (obs, action, log_prob(params, out, action), step)
+        return (env_state, step.obs), Trajectory(obs, action, log_prob(params, out, action), step)
 
     (env_state, obs), traj = jax.lax.scan(act_and_step, (env_state, obs), (noise, fresh))
     return env_state, obs, traj
 
 
-def update(runner, args, env, num_updates):
-    """One PPO update of one agent on one device: rollout, GAE, epochs x minibatches."""
-    key, k_device = jax.random.split(runner.key)
-    k_act, k_reset, k_perm = jax.random.split(jax.random.fold_in(k_device, jax.lax.axis_index(AXIS)), 3)
-    params = runner.params
-    env_state, obs, (traj_obs, actions, log_probs, steps) = rollout(params, runner.env_state, runner.obs, k_act,
-                                                                    k_reset, args, env)
-    # The critic in one batched pass over every observation seen and every one each action led
-    # to (pre-reset): far cheaper than inside the step loop, and the same numbers.
-    values, next_values = mlp(params["critic"], jnp.stack([traj_obs, steps.final_obs]))[..., 0]
-    done = (steps.terminated | steps.truncated).astype(jnp.float32)
-    advantages, targets = gae(steps.reward, values, next_values, steps.terminated.astype(jnp.float32), done,
-                              args.gamma, args.gae_lambda)
-    batch = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]),
-                         Batch(traj_obs, actions, log_probs, values, advantages, targets))  # [T*E, ...]
+def critic_values(params, traj):
+    """V of every observation seen and of every one an action led to (before any reset), [T, E] each:
+    one batched pass after the rollout, cheaper than one a step inside it, and the same numbers."""
+    return mlp(params["critic"], jnp.stack([traj.obs, traj.step.final_obs]))[..., 0]
 
-    # All epochs' shuffles at once, cut into minibatches: one flat scan of epochs*minibatches
-    # gradient steps (cheaper to compile and run than a scan of epochs around one of minibatches).
+
+def permutations(key, num, n):
+    """`num` uniformly random permutations of range(n), [num, n]: each a sort by random keys.
+
+    A key is `words` uint32s compared in turn, the row index packed into the last one's low bits
+    (XLA:CPU sorts packed keys faster than keys with an index array beside them). Rows whose keys
+    tie keep their order, which is their order in time; one word would leave 32 - log2(n) random
+    bits, and at 2^20 rows thousands of ties. With at least 2 log2(n) + 32 random bits, any tie in
+    a shuffle has probability below 2^-33, at every size.
+    """
+    bits = max(1, (n - 1).bit_length())
+    words = 1 + -(-3 * bits // 32)  # ceil: 32 * words - bits >= 2 * bits + 32
+    keys = list(jax.random.bits(key, (words, num, n)))
+    keys[-1] = (keys[-1] << bits) | jnp.arange(n, dtype=jnp.uint32)
+    return (jax.lax.sort(keys, num_keys=words)[-1] & ((1 << bits) - 1)).astype(jnp.int32)
+
+
+def shuffled_minibatches(key, batch, args):
+    """Every epoch's shuffle of the rows at once, cut into minibatches: leaves [epochs x minibatches,
+    rows / minibatches, ...], so that the gradient steps are one flat scan (cheaper to compile and run
+    than a scan of epochs around one of minibatches)."""
     n = batch.obs.shape[0]
-    order = permutations(k_perm, args.num_epochs, n).reshape(-1)  # one shuffle per epoch
-    minibatches = jax.tree.map(lambda x: x[order].reshape(-1, n // args.num_minibatches, *x.shape[1:]), batch)
-    frac = 1.0 - runner.update / num_updates if args.anneal_lr else 1.0
-    lr = args.learning_rate * frac
+    order = permutations(key, args.update_epochs, n).reshape(-1)  # one shuffle per epoch
+    return jax.tree.map(lambda x: x[order].reshape(-1, n // args.num_minibatches, *x.shape[1:]), batch)
 
+
+def gradient_steps(params, opt_state, minibatches, lr, args):
+    """One step of the PPO loss per minibatch, in turn, with the mean gradient of all devices."""
     def sgd_step(carry, minibatch):
         params, opt_state = carry
         grads, losses = jax.grad(ppo_loss, has_aux=True)(params, minibatch, args)
-        grads = jax.lax.pmean(grads, AXIS)  # every device now holds the same mean gradient
+        grads = jax.lax.pmean(grads, "devices")  # every device now holds the same mean gradient
         updates, opt_state = make_optimizer(args).update(grads, opt_state)
         params = jax.tree.map(lambda p, u: p - lr * u, params, updates)
         return (params, opt_state), losses
 
-    (params, opt_state), losses = jax.lax.scan(sgd_step, (params, runner.opt_state), minibatches)
-    stats = Stats(jax.lax.pmean(jax.tree.map(jnp.mean, losses), AXIS),
-                  *(jax.lax.psum(x.sum(), AXIS) for x in (steps.ep_return, steps.ep_length, done)))
-    return Runner(params, opt_state, env_state, obs, key, runner.update + 1), stats
+    (params, opt_state), losses = jax.lax.scan(sgd_step, (params, opt_state), minibatches)
+    return params, opt_state, losses
 
 
-# ---- The device mapping: loop updates, vmap seeds, shard_map devices ------------------------
+def update(state, lr, args, env):
+    """One PPO update of one agent on one device: rollout, critic, GAE, minibatches, gradient steps."""
+    key, k_device = jax.random.split(state.key)
+    k_act, k_reset, k_perm = jax.random.split(jax.random.fold_in(k_device, jax.lax.axis_index("devices")), 3)
+    env_state, obs, traj = rollout(state.params, state.env_state, state.obs, k_act, k_reset, args, env)
+    values, next_values = critic_values(state.params, traj)
+    done = (traj.step.terminated | traj.step.truncated).astype(jnp.float32)
+    advantages, targets = gae(traj.step.reward, values, next_values, traj.step.terminated.astype(jnp.float32), done,
+                              args.gamma, args.gae_lambda)
+    batch = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]),
+                         Batch(traj.obs, traj.action, traj.log_prob, values, advantages, targets))  # [T*E, ...]
+    minibatches = shuffled_minibatches(k_perm, batch, args)
+    params, opt_state, losses = gradient_steps(state.params, state.opt_state, minibatches, lr, args)
+    stats = Stats(jax.lax.pmean(jax.tree.map(jnp.mean, losses), "devices"),
+                  *(jax.lax.psum(x.sum(), "devices") for x in (traj.step.ep_return, traj.step.ep_length, done)))
+    return TrainState(params, opt_state, env_state, obs, key), stats
 
-RUNNER_SPECS = Runner(P(), P(), P(None, AXIS), P(None, AXIS), P(), P())  # leaves [seeds, (envs), ...]
+
+# ---- The device mapping: loop updates, vmap seeds, shard_map devices ----------------------
+
+STATE_SPECS = TrainState(P(), P(), P(None, "devices"), P(None, "devices"), P())  # leaves [seeds, (envs), ...]
 
 
 def make_train(args, env, mesh, num_updates):
-    """A compiled call: `n` updates (a traced count, so the last short call compiles no more)."""
-    def train(runner, n):
-        def body(_, carry):
-            runner, total = carry
-            runner, stats = update(runner, args, env, num_updates)
-            return runner, jax.tree.map(jnp.add, total, stats)
+    """The compiled call: updates `first` to `first + n - 1` of every seed on every device of `mesh`, and
+    their Stats summed. The counts are traced, so the last, shorter call compiles nothing more."""
+    def train(state, first, n):
+        def one_update(i, carry):
+            state, total = carry
+            state, stats = update(state, learning_rate(args, num_updates, i), args, env)
+            return state, jax.tree.map(jnp.add, total, stats)
 
         zeros = Stats(Losses(*[jnp.float32(0)] * 5), jnp.float32(0), jnp.int32(0), jnp.float32(0))
-        return jax.lax.fori_loop(0, n, body, (runner, zeros))
+        return jax.lax.fori_loop(first, first + n, one_update, (state, zeros))
 
-    # check_vma=False: params enter replicated (P()) and we average their gradients ourselves
-    # with pmean; with check_vma=True JAX would already have summed them across devices.
-    sharded = jax.shard_map(jax.vmap(train, in_axes=(0, None)), mesh=mesh, in_specs=(RUNNER_SPECS, P()),
-                            out_specs=(RUNNER_SPECS, P()), check_vma=False)
-    # LLVM at -O1 on CPU: XLA compiles this program ~30% faster, and it runs no slower (measured).
+    # check_vma=False: parameters enter replicated (P()) and the body combines the devices' gradients
+    # itself (pmean or psum); with the check on, JAX would already have summed them across devices.
+    sharded = jax.shard_map(jax.vmap(train, in_axes=(0, None, None)), mesh=mesh, in_specs=(STATE_SPECS, P(), P()),
+                            out_specs=(STATE_SPECS, P()), check_vma=False)
+    # LLVM at -O1 on CPU: this small program then compiles in less time and runs as fast.
     options = {"xla_backend_optimization_level": 1} if jax.default_backend() == "cpu" else {}
     return jax.jit(sharded, donate_argnums=0, compiler_options=options)
 
 
-def make_init(args, env, mesh, num_envs):
-    """Compiled init of every seed's Runner, laid out on the mesh (each host makes its shards)."""
+def shardings(mesh):
+    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), STATE_SPECS)
+
+
+def init_on_mesh(args, env, mesh, num_envs):
+    """A compiled init of every seed's TrainState, laid out on the mesh (each host makes its own shards),
+    and the shapes it returns (a checkpoint's template)."""
     keys = jax.random.split(jax.random.PRNGKey(args.seed), args.num_seeds)
-    shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), RUNNER_SPECS)
     params = [init_params(np.random.default_rng([args.seed, i]), env) for i in range(args.num_seeds)]
     params = jax.tree.map(lambda *p: np.stack(p), *params)
-    init = jax.jit(jax.vmap(lambda k, p: init_runner(k, p, args, env, num_envs)), out_shardings=shardings)
+    init = jax.jit(jax.vmap(lambda k, p: init_state(k, p, args, env, num_envs)), out_shardings=shardings(mesh))
     return lambda: init(keys, params), jax.eval_shape(init, keys, params)
 
 
-# ---- This script's flags, devices and metrics --------------------------------------------
+def place(state, mesh):
+    """A host TrainState (NumPy leaves, every host's envs) onto the mesh, laid out as STATE_SPECS says."""
+    def put(sharding, part):
+        return jax.tree.map(lambda a: jax.make_array_from_callback(a.shape, sharding, lambda i: a[i]), part)
+
+    return jax.tree.map(put, shardings(mesh), state)
+
+
+# ---- This script's flags, devices and metrics ---------------------------------------------
 
 def check_args(args):
     """Every flag, before anything is compiled; fills in the env's defaults."""
@@ -537,7 +568,7 @@ def check_args(args):
         fail(f"--env-id {args.env_id!r} is not available{hint}; this file defines: {', '.join(map(repr, ENVS))}")
     defaults = {k: v for k, v in DEFAULTS[args.env_id].items() if getattr(args, k) is None}
     args = dataclasses.replace(args, **defaults)
-    check_flags(args, counts=("num_seeds", "total_timesteps", "num_envs_per_device", "num_steps", "num_epochs",
+    check_flags(args, counts=("num_seeds", "total_timesteps", "num_envs_per_device", "num_steps", "update_epochs",
                               "num_minibatches", "log_every", "checkpoint_every"),
                 unit=("gamma", "gae_lambda"), positive=("learning_rate",),
                 nonnegative=("clip_coef", "ent_coef", "vf_coef", "max_grad_norm"))
@@ -553,25 +584,20 @@ def check_args(args):
 
 def pick_devices(args):
     local = jax.local_devices()
-    n = args.num_devices or len(local)
+    n = len(local) if args.num_devices is None else args.num_devices
     if not 1 <= n <= len(local):
         fail(f"--num-devices {n} is not possible: this host has {len(local)} device(s)")
     devices = [d for p in range(jax.process_count())
                for d in [d for d in jax.devices() if d.process_index == p][:n]]
-    return Mesh(np.array(devices), (AXIS,))
+    return Mesh(np.array(devices), ("devices",))
 
 
-def place(runner, template):
-    """Host arrays onto the mesh, with the shardings `template` (the init's eval_shape) carries."""
-    return jax.tree.map(lambda a, spec: jax.make_array_from_callback(spec.shape, spec.sharding, lambda i: a[i]),
-                        runner, template)
-
-
-def metrics_row(stats, lr, global_step, sps):
-    """One metrics row from a call's summed Stats (leaves [seeds])."""
+def metrics_row(stats, n, lr, sps):
+    """The metrics of one call, from its Stats summed over `n` updates (leaves [seeds])."""
     stats = jax.tree.map(np.asarray, stats)
-    row = {"global_step": global_step, "charts/SPS": sps, "charts/learning_rate": lr}
-    if stats.episodes.min() > 0:  # returns of the episodes that ended during the call, per seed
+    row = {"charts/SPS": sps, "charts/learning_rate": lr,
+           **{f"losses/{name}": float(np.mean(value) / n) for name, value in stats.losses._asdict().items()}}
+    if stats.episodes.min() > 0:  # the episodes that ended during the call, per seed
         returns = stats.return_sum / stats.episodes
         row.update({"charts/episodic_return": float(returns.mean()), "charts/episodic_return_min": float(returns.min()),
                     "charts/episodic_return_max": float(returns.max()),
@@ -852,49 +878,50 @@ def main(args: Args) -> dict:
     start_distributed(args)
     mesh = pick_devices(args)
     num_envs = args.num_envs_per_device * mesh.size
-    steps_per_update = args.num_steps * num_envs
+    steps_per_update = num_envs * args.num_steps
     num_updates = args.total_timesteps // steps_per_update
     if num_updates < 1:
-        fail(f"--total-timesteps {args.total_timesteps} is less than one update "
-             f"(--num-steps x envs on all devices = {steps_per_update})")
-    init, runner_template = make_init(args, env, mesh, num_envs)
-    template = {"runner": runner_template, "update": np.int64(0)}
+        fail(f"--total-timesteps {args.total_timesteps:,} is less than one update: {steps_per_update:,} steps "
+             f"(--num-steps {args.num_steps} x {args.num_envs_per_device} envs x {mesh.size} devices)")
+    init, shapes = init_on_mesh(args, env, mesh, num_envs)
+    template = {"state": shapes, "update": np.int64(0), "global_step": np.int64(0)}
     if args.resume:
         ckpt = load(args.resume, template, num_updates,
-                    "same --env-id, --num-seeds, --num-envs-per-device and devices?")
+                    "same --env-id, --num-seeds, --num-envs-per-device and device count?")
     run = open_run(args)
-    runner = place(ckpt["runner"], runner_template) if args.resume else init()
-    done = first = int(ckpt["update"]) if args.resume else 0
+    if args.resume:
+        state, update, global_step = place(ckpt["state"], mesh), int(ckpt["update"]), int(ckpt["global_step"])
+    else:
+        state, update, global_step = init(), 0, 0
+    first = update
 
-    def checkpoint():  # every host's envs gathered; process 0 writes
-        save(run.checkpoint, {"runner": multihost_utils.process_allgather(runner, tiled=True),
-                              "update": np.int64(done)})
+    def checkpoint():  # every process takes part in gathering every host's envs; process 0 writes
+        host = multihost_utils.process_allgather(state, tiled=True)
+        save(run.checkpoint, {"state": host, "update": np.int64(update), "global_step": np.int64(global_step)})
 
     try:
-        tick = time.time()  # compiled ahead of time, so SPS never includes compilation
-        train = make_train(args, env, mesh, num_updates).lower(runner, jnp.int32(args.log_every)).compile()
-        print(f"compiled in {time.time() - tick:.1f}s", flush=True)
+        tic = time.time()  # compiled ahead of time, so SPS never includes compilation
+        train = make_train(args, env, mesh, num_updates)
+        train = train.lower(state, np.int32(update), np.int32(args.log_every)).compile()
+        print(f"compiled in {time.time() - tic:.1f}s", flush=True)
         start, row, beat = time.time(), {}, watch_peers(run)
-        while done < num_updates:
+        while update < num_updates:
             beat()
             if signum := stop_signal(caught):
                 checkpoint()
-                stopped(signum, done, run)
-            n = min(args.log_every, num_updates - done)
-            tick = time.time()
-            runner, stats = train(runner, jnp.int32(n))
-            stats = jax.device_get(stats)  # the one host sync of a call
-            losses = jax.tree.map(lambda x: float(np.mean(x) / n), stats.losses)
-            done += n
-            check_finite(losses._asdict(), done, run)
-            step = done * steps_per_update
-            sps = n * steps_per_update * args.num_seeds / (time.time() - tick)
-            lr = args.learning_rate * (1 - (done - 1) / num_updates if args.anneal_lr else 1.0)
-            row = {"update": done, **metrics_row(stats, lr, step, sps),
-                   **{f"losses/{k}": v for k, v in losses._asdict().items()}}
-            eta = (time.time() - start) / (done - first) * (num_updates - done)
-            log(run, row, done, num_updates, num_updates * steps_per_update, eta)
-            if done % args.checkpoint_every < n and done < num_updates:
+                stopped(signum, update, run)
+            n = min(args.log_every, num_updates - update)
+            tic = time.time()
+            state, stats = train(state, np.int32(update), np.int32(n))
+            stats = jax.device_get(stats)  # sums over the call's n updates; waits for them
+            update, global_step = update + n, global_step + n * steps_per_update
+            sps = n * steps_per_update * args.num_seeds / (time.time() - tic)
+            lr = learning_rate(args, num_updates, update - 1)  # the step size of the call's last update
+            row = {"global_step": global_step, "update": update, **metrics_row(stats, n, lr, sps)}
+            check_finite({name: value for name, value in row.items() if name.startswith("losses/")}, update, run)
+            eta = (time.time() - start) / (update - first) * (num_updates - update)
+            log(run, row, update, num_updates, num_updates * steps_per_update, eta)
+            if update % args.checkpoint_every < n and update < num_updates:
                 checkpoint()
         checkpoint()
     except jax.errors.JaxRuntimeError as e:
@@ -902,7 +929,7 @@ def main(args: Args) -> dict:
             raise
         lost_peer(e, run)
     close(run)
-    row["checksum"] = checksum(runner.params)
+    row["checksum"] = checksum(state.params)
     print(f"checksum {row['checksum']}", flush=True)
     return row
 

@@ -14,6 +14,8 @@ from conftest import ROOT, checksum, error_line, load, run, run_two_hosts, spawn
 
 ppo = load("anakin_ppo.py")
 SCRIPT = "anakin_ppo.py"
+DEFAULT = ppo.check_args(ppo.Args())  # the default flags, CartPole-v1's
+STEPS_PER_UPDATE = DEFAULT.num_steps * DEFAULT.num_envs_per_device
 
 
 # ---- The environments against gymnasium 1.4 ------------------------------------------------
@@ -252,13 +254,13 @@ params = jax.tree.map(lambda *p: np.stack(p), *[ppo.init_params(np.random.defaul
 
 def step(params, batch):  # what an update does with one minibatch
     grads = jax.grad(lambda p: ppo.ppo_loss(p, batch, args)[0])(params)
-    return ppo.normalize(batch.advantage), jax.lax.pmean(grads, ppo.AXIS)
+    return ppo.normalize(batch.advantage), jax.lax.pmean(grads, "devices")
 
 
 for n in (1, 2):
-    mesh = Mesh(np.array(jax.devices()[:n]), (ppo.AXIS,))
-    mapped = jax.shard_map(jax.vmap(step), mesh=mesh, in_specs=(P(), P(None, ppo.AXIS)),
-                           out_specs=(P(None, ppo.AXIS), P()), check_vma=False)
+    mesh = Mesh(np.array(jax.devices()[:n]), ("devices",))
+    mapped = jax.shard_map(jax.vmap(step), mesh=mesh, in_specs=(P(), P(None, "devices")),
+                           out_specs=(P(None, "devices"), P()), check_vma=False)
     normalized, grads = jax.jit(mapped)(params, batch)
     flat = np.concatenate([np.ravel(g) for g in jax.tree.leaves(grads)])
     np.savez(f"{{n}}.npz", advantage=advantage, normalized=normalized, grads=flat)
@@ -280,21 +282,24 @@ def test_advantages_are_normalized_per_seed_over_the_minibatch_on_all_devices(tm
 
 
 # ---- End to end ------------------------------------------------------------------------------
-# Short CartPole budget used by the device, seed and host tests (50 updates of 512 steps).
-SHORT = ["--total-timesteps", 25_600, "--log-every", 25]
+# Short CartPole budget used by the device, seed and host tests: 50 updates of the default size.
+SHORT_BUDGET = 50 * STEPS_PER_UPDATE
+SHORT = ["--total-timesteps", SHORT_BUDGET, "--log-every", 25]
 
 
 def test_cartpole_default_config_solves_it(tmp_path):
     result = run(SCRIPT, [], tmp_path)
     assert result.returncode == 0, result.output[-3000:]
-    assert result.last("global_step") == 976 * 512
+    assert result.last("global_step") == DEFAULT.total_timesteps // STEPS_PER_UPDATE * STEPS_PER_UPDATE
     assert result.last("charts/episodic_return") >= 475  # last log window (50 updates)
     assert (result.run_dir / "checkpoint.npz").exists() and (result.run_dir / "args.json").exists()
     assert any(p.name.startswith("events.out.tfevents") for p in result.run_dir.iterdir())
 
 
 def test_pendulum_reduced_budget_swings_up_every_seed(tmp_path):
-    result = run(SCRIPT, ["--env-id", "Pendulum-v1", "--total-timesteps", 409_600, "--num-seeds", 2], tmp_path)
+    pendulum = ppo.check_args(ppo.Args(env_id="Pendulum-v1"))
+    budget = 100 * pendulum.num_steps * pendulum.num_envs_per_device  # 100 updates of Pendulum's default size
+    result = run(SCRIPT, ["--env-id", "Pendulum-v1", "--total-timesteps", budget, "--num-seeds", 2], tmp_path)
     assert result.returncode == 0, result.output[-3000:]
     assert result.last("charts/episodic_return_max") <= 0
     assert result.last("charts/episodic_return_min") > -400  # random play: about -1200
@@ -302,10 +307,11 @@ def test_pendulum_reduced_budget_swings_up_every_seed(tmp_path):
 
 @pytest.mark.parametrize("devices", [1, 2, 4])
 def test_learns_on_1_2_and_4_devices(tmp_path, devices):
-    # 4 envs in all, split across the devices; each device draws minibatches from its own data.
-    result = run(SCRIPT, [*SHORT, "--num-envs-per-device", 4 // devices], tmp_path, devices=devices)
+    # The default envs, split across the devices; each device draws minibatches from its own data.
+    result = run(SCRIPT, [*SHORT, "--num-envs-per-device", DEFAULT.num_envs_per_device // devices], tmp_path,
+                 devices=devices)
     assert result.returncode == 0, result.output[-3000:]
-    assert result.last("global_step") == 25_600
+    assert result.last("global_step") == SHORT_BUDGET
     assert result.last("charts/episodic_return") > 60  # random play: about 22
 
 
@@ -328,14 +334,14 @@ def test_same_seed_gives_bitwise_identical_parameters(tmp_path):
 
 
 def test_resuming_from_a_checkpoint_continues_bitwise(tmp_path):
-    # 512 steps an update (2 devices x 2 envs x 128 steps); the schedule must not depend on the budget.
-    args = ["--no-anneal-lr", "--log-every", 5, "--num-envs-per-device", 2]
-    straight = run(SCRIPT, [*args, "--total-timesteps", 20 * 256], tmp_path / "straight", devices=2)
-    half = run(SCRIPT, [*args, "--total-timesteps", 10 * 256], tmp_path / "half", devices=2)
-    resumed = run(SCRIPT, [*args, "--total-timesteps", 20 * 256, "--resume", half.run_dir / "checkpoint.npz"],
-                  tmp_path / "resumed", devices=2)
+    # The default envs on 2 devices, so updates of the default size; the schedule must not depend on the budget.
+    args = ["--no-anneal-lr", "--log-every", 5, "--num-envs-per-device", DEFAULT.num_envs_per_device // 2]
+    straight = run(SCRIPT, [*args, "--total-timesteps", 10 * STEPS_PER_UPDATE], tmp_path / "straight", devices=2)
+    half = run(SCRIPT, [*args, "--total-timesteps", 5 * STEPS_PER_UPDATE], tmp_path / "half", devices=2)
+    resumed = run(SCRIPT, [*args, "--total-timesteps", 10 * STEPS_PER_UPDATE, "--resume",
+                           half.run_dir / "checkpoint.npz"], tmp_path / "resumed", devices=2)
     assert resumed.returncode == 0, resumed.output[-3000:]
-    assert [m["global_step"] for m in resumed.metrics] == [20 * 256]  # updates 6 to 10 only
+    assert [m["global_step"] for m in resumed.metrics] == [10 * STEPS_PER_UPDATE]  # updates 6 to 10 only
     assert checksum(resumed.output) == checksum(straight.output) != checksum(half.output)
 
 
@@ -344,7 +350,7 @@ def test_two_hosts_end_with_identical_parameters(tmp_path):
     for host in hosts:
         assert host.returncode == 0, host.output[-3000:]
     assert checksum(hosts[0].output) == checksum(hosts[1].output)
-    assert hosts[0].last("global_step") == 25_600 and not hosts[1].metrics  # only process 0 writes
+    assert hosts[0].last("global_step") == SHORT_BUDGET and not hosts[1].metrics  # only process 0 writes
     assert hosts[0].last("charts/episodic_return") > 60
 
 
@@ -363,7 +369,7 @@ def test_bad_input_is_one_clear_error_line(tmp_path, args, expected):
 
 
 def test_resuming_a_checkpoint_of_another_configuration_is_a_clear_error(tmp_path):
-    first = run(SCRIPT, ["--total-timesteps", 512], tmp_path / "a")
+    first = run(SCRIPT, ["--total-timesteps", STEPS_PER_UPDATE], tmp_path / "a")
     assert first.returncode == 0, first.output[-3000:]
     line = error_line(run(SCRIPT, ["--num-envs-per-device", 8, "--resume", first.run_dir / "checkpoint.npz"],
                           tmp_path / "b"))
@@ -373,14 +379,14 @@ def test_resuming_a_checkpoint_of_another_configuration_is_a_clear_error(tmp_pat
 def test_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path):
     # Update 1 is one Adam step, which moves every weight by ~1e30 (still finite); update 2's
     # forward pass overflows.
-    args = ["--learning-rate", 1e30, "--num-epochs", 1, "--num-minibatches", 1, "--log-every", 1,
+    args = ["--learning-rate", 1e30, "--update-epochs", 1, "--num-minibatches", 1, "--log-every", 1,
             "--checkpoint-every", 1, "--total-timesteps", 10**7]
     result = run(SCRIPT, args, tmp_path)
     assert result.returncode == 1, result.output[-3000:]
     assert "error: non-finite loss at update 2" in result.output
     with np.load(result.run_dir / "checkpoint.npz", allow_pickle=False) as f:
-        assert int(f["runner/update"][0]) == 1
-        assert all(np.isfinite(f[k]).all() for k in f if k.startswith("runner/params"))
+        assert int(f["update"]) == 1
+        assert all(np.isfinite(f[k]).all() for k in f if k.startswith("state/params"))
 
 
 def test_ctrl_c_finishes_the_call_writes_a_checkpoint_and_exits(tmp_path):
@@ -396,5 +402,5 @@ def test_ctrl_c_finishes_the_call_writes_a_checkpoint_and_exits(tmp_path):
         proc.kill()
     assert proc.returncode == 130 and "stopped by SIGINT after update" in output, output[-3000:]
     with np.load(next((tmp_path / "runs").glob("*/checkpoint.npz")), allow_pickle=False) as f:
-        updates = int(f["runner/update"][0])
+        updates = int(f["update"])
     assert updates > 0 and updates % 5 == 0  # the state after a whole call
