@@ -184,10 +184,11 @@ def dense_init(key, n_in, n_out, scale):
 
 
 def conv_init(key, c_in, c_out, size):
-    return {"w": jax.nn.initializers.orthogonal(np.sqrt(2))(key, (size, size, c_in, c_out)), "b": jnp.zeros(c_out)}
+    return {"w": jax.nn.initializers.orthogonal(np.sqrt(2))(key, (size, size, c_in, c_out)),
+            "b": jnp.zeros(c_out)}
 
 
-def init_params(key, num_actions, obs_shape=(4, 84, 84)):
+def init_params(key, obs_shape, num_actions):
     keys, torso = iter(jax.random.split(key, len(CONVS) + 3)), {}  # one key per layer, the two heads included
     c_in, (h, w) = obs_shape[0], obs_shape[1:]
     for i, (c, size, stride) in enumerate(CONVS):
@@ -495,7 +496,7 @@ def make_optimizer(args, num_updates):
 
 def init_state(key, args, env, num_updates):
     k_params, k_learn = jax.random.split(key)
-    params = init_params(k_params, env.num_actions)
+    params = init_params(k_params, env.obs_shape, env.num_actions)
     return TrainState(params, make_optimizer(args, num_updates).init(params), k_learn)
 
 

@@ -168,7 +168,8 @@ def plot(curves, x_axis, y, refs=(), title=None):
 
 def measured(column):
     """benchmark.json's measured columns, as opposed to those that say what was run."""
-    return column.endswith("SPS") or column == "ratio" or column.startswith("compile") or column.split()[-1].startswith("s/")
+    return (column.endswith("SPS") or column == "ratio" or column.startswith("compile")
+            or column.split()[-1].startswith("s/"))
 
 
 def read_speed(path):

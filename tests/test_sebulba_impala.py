@@ -255,7 +255,8 @@ def test_episode_scores_are_unclipped_and_span_the_whole_game(impala):
     env = impala.describe_env(args.env_id, False)
     params = impala.init_params(jax.random.PRNGKey(0), env.obs_shape, env.num_actions, "shallow")
     envs = impala.make_envs(args, n, 3)
-    state = impala.ActorState(impala.env_reset(envs), jax.random.PRNGKey(1), np.zeros(n, bool), np.zeros(n), np.zeros(n, int))
+    state = impala.ActorState(impala.env_reset(envs), jax.random.PRNGKey(1), np.zeros(n, bool), np.zeros(n),
+                              np.zeros(n, int))
     rollout, _, returns, lengths, _ = impala.collect(envs, params, state, steps)
     replay = envpool.make(args.env_id, env_type="gymnasium", num_envs=n, seed=3, **impala.atari_kwargs(False))
     replay.reset()

@@ -129,7 +129,7 @@ def test_advantage_normalisation_spans_all_learners_and_skips_masked_samples(ppo
 def test_uint8_frames_are_scaled_and_bool_or_float_inputs_enter_as_they_are(ppo):
     import jax
 
-    params = ppo.init_params(jax.random.PRNGKey(0), 4)
+    params = ppo.init_params(jax.random.PRNGKey(0), (4, 84, 84), 4)
     frames = np.random.default_rng(3).integers(0, 256, (2, 4, 84, 84), dtype=np.uint8)
     bits = frames > 127
     same = lambda a, b: [np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-6)
@@ -187,7 +187,7 @@ def test_collect_returns_unclipped_whole_game_scores_and_marks_autoreset_steps(p
     import jax
 
     args = ppo.Args()
-    params = ppo.init_params(jax.random.PRNGKey(0), 4)
+    params = ppo.init_params(jax.random.PRNGKey(0), (4, 84, 84), 4)
     envs = ppo.make_envs(args, 2, seed=7)
     state = ppo.ActorState(ppo.env_reset(envs), jax.random.PRNGKey(1), np.zeros(2, bool), np.zeros(2), np.zeros(2, int))
     rollout, _, returns, lengths, _ = ppo.collect(envs, params, state, 600)
