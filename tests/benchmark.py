@@ -98,29 +98,34 @@ def bench_catch():
 
 
 # ---------------------------------------------------------------------------------------
-# The Sebulba scripts: end-to-end training SPS against envpool's raw random-action SPS with
-# the same envs and threads (the bound the actors cannot beat), measured in the same process;
-# seconds per learner update and per rollout from the run's last log window.
+# The Sebulba scripts: end-to-end training SPS against the random-action SPS of the same envs
+# and threads stepped by the script's env_step (the bound the actors cannot beat), measured in
+# the same process; seconds per learner update and per rollout from the run's last log window.
 
 
-def sebulba_result(main, args, make_envs, num_actions, updates, log_every):
-    """Train with `main`, then step `make_envs(seed)` batches at random in as many threads."""
+def sebulba_worker(script, flags, updates, log_every):
+    """Train `script` (sebulba_impala.py or sebulba_ppo_atari.py) with these Args, then step the same
+    envs at random with its env_step in as many threads."""
     import dataclasses
     import tempfile
     import threading
 
     import numpy as np
 
+    sebulba = load(script)
+    args, env = sebulba.check_args(sebulba.Args(**flags))
+
     n, threads = args.local_num_envs, args.num_actor_threads  # one actor device here
     batch = args.num_steps * n * threads
     with tempfile.TemporaryDirectory() as run_dir:
         args = dataclasses.replace(args, total_timesteps=updates * batch, log_every=log_every, run_dir=run_dir)
-        row = main(args)  # the last log window: compile time excluded
+        row = sebulba.main(args)  # the last log window: compile time excluded
 
     def random_steps(seed, steps, counts):
-        envs, rng = make_envs(seed), np.random.default_rng(seed)
+        envs, rng = sebulba.make_envs(args, n, seed), np.random.default_rng(seed)
+        sebulba.env_reset(envs)
         for _ in range(steps):
-            envs.step(rng.integers(0, num_actions, n).astype(np.int32))
+            sebulba.env_step(envs, rng.integers(0, env.num_actions, n).astype(np.int32))
         counts.append(steps * n)
 
     counts, steps = [], max(200, 20 * args.num_steps)
@@ -144,45 +149,24 @@ def sebulba_row(r, digits):
                                                               ("inference s/rollout", "inference_s")]}}
 
 
-def impala_worker(env_id, flags, updates, log_every):
-    impala = load("sebulba_impala.py")
-    args, env = impala.check_args(impala.Args(env_id=env_id, **flags))
-
-    def make_envs(seed):
-        envs = impala.make_envs(env_id, env, args.local_num_envs, seed, False)
-        impala.reset_envs(envs, env, seed)
-        return envs
-
-    return sebulba_result(impala.main, args, make_envs, env.num_actions, updates, log_every)
-
-
 def bench_impala():
     cases = [("Breakout-v5", "deep", 9, 3), ("Breakout-v5", "shallow", 30, 10), ("CartPole-v1", "mlp", 200, 50)]
     rows = []
     for env_id, network, updates, log_every in cases:
-        flags = {"local_num_envs": 8, "num_steps": 20, "network": network} if network != "mlp" else {}
-        r = worker("impala_worker", env_id=env_id, flags=flags, updates=updates, log_every=log_every)
+        images = {"local_num_envs": 8, "num_steps": 20} if network != "mlp" else {}
+        flags = {"env_id": env_id, "network": network, **images}
+        r = worker("sebulba_worker", script="sebulba_impala.py", flags=flags, updates=updates, log_every=log_every)
         rows.append({"env": env_id, "network": network, **sebulba_row(r, digits=3)})
     return rows
 
 
-def ppo_atari_worker(flags, updates, log_every):
-    ppo = load("sebulba_ppo_atari.py")
-    args = ppo.Args(env_id="Breakout-v5", **flags)
-
-    def make_envs(seed):
-        envs = ppo.make_envs(args, args.local_num_envs, seed)
-        envs.reset()
-        return envs
-
-    return sebulba_result(ppo.main, args, make_envs, ppo.make_envs(args, 1, 0).action_space.n, updates, log_every)
-
-
 def bench_ppo_atari():
-    base = {"local_num_envs": 8, "num_actor_threads": 2, "num_steps": 32}  # batch 512, minibatches 128
+    # batch 512, minibatches 128
+    base = {"env_id": "Breakout-v5", "local_num_envs": 8, "num_actor_threads": 2, "num_steps": 32}
     rows = []
     for epochs in (4, 1):
-        r = worker("ppo_atari_worker", flags={**base, "update_epochs": epochs}, updates=6, log_every=3)
+        r = worker("sebulba_worker", script="sebulba_ppo_atari.py", flags={**base, "update_epochs": epochs}, updates=6,
+                   log_every=3)
         rows.append({"env": "Breakout-v5", "envs": r["envs"], "batch": r["batch"], "epochs": epochs,
                      **sebulba_row(r, digits=2)})
     return rows
