@@ -211,7 +211,7 @@ def plot_speed(bars, machine, title=None):
     ax.set_xscale("log")
     ax.set_xlabel("environment steps per second (log scale)")
     ax.grid(axis="x", alpha=0.3)
-    ax.set_title(textwrap.fill(title or f"training SPS against its bound ({machine or 'machine not recorded'})", 90))
+    fig.suptitle(textwrap.fill(title or f"training SPS against its bound ({machine or 'machine not recorded'})", 100))
     fig.legend(loc="outside lower center", ncols=2, frameon=False)
     return fig
 

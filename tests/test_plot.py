@@ -159,7 +159,7 @@ def test_speed_draws_training_sps_beside_its_bound_for_every_row(tmp_path):
         "impala: env Breakout-v5, network shallow"]
     assert list(ax.get_yticks()) == [2, 1, 0]  # the first row on top
     assert sorted(t.get_text().strip() for t in ax.texts) == ["20%", "25%", "84%"]
-    assert ax.get_xscale() == "log" and "x86_64, 2 CPU cores" in ax.get_title()
+    assert ax.get_xscale() == "log" and "x86_64, 2 CPU cores" in fig.get_suptitle()
     legend = [t.get_text() for t in fig.legends[0].get_texts()]
     assert legend == ["bound: raw env SPS or rollout-only SPS", "train SPS"]
 
