@@ -405,7 +405,7 @@ def collect(envs, params, state, num_steps):
 
 
 class Stopped(Exception):
-    """The run is stopping (an actor thread failed): whoever waits gives up."""
+    """The run is stopping (it ended, or an actor thread failed): whoever waits gives up."""
 
 
 def until_stopped(op, stop, *op_args):
@@ -630,7 +630,7 @@ class Loop(NamedTuple):
     update: object  # the compiled learner update
     queues: list  # one bounded queue per local actor thread
     store: ParamStore
-    stop: threading.Event  # set by a failing actor thread
+    stop: threading.Event  # set by a failing actor thread, and at the end
     caught: list  # stop signals caught (catch_stop_signals)
     run: object  # the run folder's Run
 
