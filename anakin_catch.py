@@ -235,7 +235,7 @@ def init_state(key, args, num_envs):
 
 
 def rollout(params, lane, args):
-    """Act greedily (epsilon-greedy) for `num_steps` in one lane; also the bootstrap Q-values."""
+    """Act epsilon-greedily for `num_steps` in one lane; also the bootstrap Q-values."""
     def act_and_step(lane, _):
         key, k_explore, k_random, k_reset = jax.random.split(lane.key, 4)
         q = apply(params, observe(lane.env))
