@@ -138,16 +138,22 @@ def make_curve(label, seeds):
     return Curve(label, grid, ys.mean(0), ys.min(0), ys.max(0))
 
 
-def plot(curves, x_axis, y, refs=(), title=None):
-    """The figure: a mean line and a min-max band per curve, a grey broken line per reference."""
-    # Imported here, as it takes a second: bad input is answered before that.
+def new_figure(size):
+    """An empty figure that only ever goes to a file (matplotlib is imported here, as it takes a
+    second: bad input is answered before that)."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only, never a window
     from matplotlib.figure import Figure
+
+    return Figure(figsize=size, layout="constrained")
+
+
+def plot(curves, x_axis, y, refs=(), title=None):
+    """The figure: a mean line and a min-max band per curve, a grey broken line per reference."""
     from matplotlib.ticker import EngFormatter
 
-    fig = Figure(figsize=(8, 5), layout="constrained")
+    fig = new_figure((8, 5))
     ax = fig.add_subplot()
     for curve in curves:
         (line,) = ax.plot(curve.x, curve.mean, label=curve.label, linewidth=1.8)
@@ -178,8 +184,9 @@ def read_speed(path):
     if not path.is_file():
         fail(f"--speed {path}: no such file (python tests/benchmark.py writes benchmark.json)")
     data, bars = read_json(path, path.read_text()), []
-    for case, rows in data.items() if isinstance(data, dict) else ():
-        for row in rows if case != "machine" else ():
+    cases = {case: rows for case, rows in data.items() if case != "machine"} if isinstance(data, dict) else {}
+    for case, rows in cases.items():
+        for row in rows:
             bound = next((c for c in row if c.endswith("SPS") and c != "train SPS"), None)
             try:
                 train, limit = (float(str(row[c]).replace(",", "")) for c in ("train SPS", bound))
@@ -194,12 +201,7 @@ def read_speed(path):
 
 def plot_speed(bars, machine, title=None):
     """Two bars a row, training SPS and its bound, on a log scale; the ratio at the training bar's end."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(10, 1.6 + 0.5 * len(bars)), layout="constrained")
+    fig = new_figure((10, 1.6 + 0.5 * len(bars)))
     ax = fig.add_subplot()
     y = np.arange(len(bars))[::-1]
     bounds = sorted({bar.bound_name for bar in bars})
