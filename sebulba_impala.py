@@ -39,7 +39,7 @@ import time
 import traceback
 import warnings
 from dataclasses import dataclass
-from functools import partial
+from functools import cache, partial
 from pathlib import Path
 from typing import Literal, NamedTuple
 
@@ -149,6 +149,7 @@ class EnvInfo(NamedTuple):
     atari: bool  # envpool Atari: the IMPALA paper's protocol; info["reward"] is the unclipped score
 
 
+@cache  # check_args calls it, then each actor thread's make_envs: one probe of the env per run
 def describe_env(env_id, machado):
     """Find the id in envpool or gymnasium and check its spaces before any env is stepped."""
     if env_id in envpool.list_all_envs():
