@@ -6,13 +6,8 @@ them with Q(lambda). That unit is `vmap`ped over the envs of a device, many upda
 (`fori_loop`) inside one compiled call, and the call is replicated over every device (and
 host) with `jit` + `shard_map`; gradients are averaged over envs and then across devices.
 
-The agent is the paper colab's: a Q-network with one hidden layer of 256, Adam with step size
-1e-4, 128 envs a device, rollouts of 16 steps, discount 1, lambda 0.99, the mean squared
-Q(lambda) error with max_a Q bootstraps. Where this file departs from the colab: it acts
-epsilon-greedily (the colab greedily: a greedy agent that misses the ball in some columns may
-never try the moves that would catch it); its episodes are bsuite's 9 steps (the colab also
-spends a step on the final board); all 16 steps of a rollout are learned from (the colab's loss
-leaves out the last); and a device holds one copy of the parameters, not one a lane.
+The agent is the paper colab's (one hidden layer of 256, Adam 1e-4, 128 envs a device, rollouts
+of 16 steps, Q(lambda) with lambda 0.99); README.md says where this file departs from it.
 
     host (Python)          one call = `--log-every` updates, no return to Python between them
     -------------          ---------------------------------------------------------------------
@@ -32,15 +27,17 @@ Examples:
     python anakin_catch.py --resume runs/Catch__anakin_catch__1__1700000000/checkpoint.npz
 """
 
+import contextlib
 import dataclasses
 import difflib
+import errno
 import hashlib
+import itertools
 import json
 import math
 import os
 import signal
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -54,7 +51,9 @@ import optax
 import tyro
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-from tensorboardX import SummaryWriter
+from tensorboardX.event_file_writer import EventsWriter
+from tensorboardX.proto.event_pb2 import Event
+from tensorboardX.summary import scalar
 
 
 @dataclass
@@ -277,6 +276,17 @@ def update(state, args):
     return TrainState(params, opt_state, lanes), stats
 
 
+def metrics_row(stats, n, lr, sps):
+    """The metrics of one call, from its Stats summed over `n` updates."""
+    stats = jax.tree.map(float, stats)
+    row = {"charts/SPS": sps, "charts/learning_rate": lr,
+           **{f"losses/{name}": value / n for name, value in stats.losses._asdict().items()}}
+    if stats.episodes > 0:  # the episodes that ended during the call
+        row["charts/episodic_return"] = stats.return_sum / stats.episodes
+        row["charts/episodic_length"] = stats.length_sum / stats.episodes
+    return row
+
+
 # ---- The device mapping: loop updates, shard_map devices ----------------------------------
 
 STATE_SPECS = TrainState(P(), P(), P("devices"))  # parameters replicated, lanes split
@@ -321,20 +331,6 @@ def place(state, mesh):
     return jax.tree.map(put, shardings(mesh), state)
 
 
-# ---- This script's flags, devices and metrics ---------------------------------------------
-
-def check_args(args):
-    """Every flag, before anything is compiled."""
-    if args.env_id != "Catch":
-        close = difflib.get_close_matches(args.env_id, ["Catch"], n=1, cutoff=0.3)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        fail(f"--env-id {args.env_id!r} is not available{hint}; this file defines: 'Catch'")
-    check_flags(args, counts=("total_timesteps", "num_envs_per_device", "num_steps", "log_every", "checkpoint_every"),
-                unit=("gamma", "q_lambda", "epsilon"), positive=("learning_rate",))
-    check_seed(args.seed, 2**32)
-    return args
-
-
 def pick_devices(args):
     local = jax.local_devices()
     n = len(local) if args.num_devices is None else args.num_devices
@@ -345,21 +341,81 @@ def pick_devices(args):
     return Mesh(np.array(devices), ("devices",))
 
 
-def metrics_row(stats, n, lr, sps):
-    """The metrics of one call, from its Stats summed over `n` updates."""
-    stats = jax.tree.map(float, stats)
-    row = {"charts/SPS": sps, "charts/learning_rate": lr,
-           **{f"losses/{name}": value / n for name, value in stats.losses._asdict().items()}}
-    if stats.episodes > 0:  # the episodes that ended during the call
-        row["charts/episodic_return"] = stats.return_sum / stats.episodes
-        row["charts/episodic_length"] = stats.length_sum / stats.episodes
+def initial_state(args, mesh, batch):
+    """The TrainState on the mesh, fresh or --resume's, and the update it starts after."""
+    if args.total_timesteps < batch:
+        fail(f"--total-timesteps {args.total_timesteps:,} is less than one update: {batch:,} steps "
+             f"(--num-steps {args.num_steps} x {args.num_envs_per_device} envs x {mesh.size} devices)")
+    init, shapes = init_on_mesh(args, mesh, args.num_envs_per_device * mesh.size)
+    if not args.resume:
+        return init(), 0
+    template = {"state": shapes, "update": np.int64(0), "global_step": np.int64(0)}
+    ckpt = load(args, template, batch, "same device count?")
+    return place(ckpt["state"], mesh), int(ckpt["update"])
+
+
+def compile_train(args, mesh, state):
+    """make_train compiled ahead of time, so that SPS never includes compilation."""
+    tic = time.time()
+    train = make_train(args, mesh).lower(state, np.int32(args.log_every)).compile()
+    say(f"compiled in {time.time() - tic:.1f}s")
+    return train
+
+
+def checkpoint(args, run, state, update, batch):
+    """Every process takes part in gathering every host's lanes; process 0 saves them."""
+    host = multihost_utils.process_allgather(state, tiled=True)
+    save(run, {"state": host, "update": np.int64(update), "global_step": np.int64(update * batch)}, args)
+
+
+# ---- This script's flags ------------------------------------------------------------------
+
+def check_args(args):
+    """Every flag, before anything is compiled."""
+    if args.env_id != "Catch":
+        close = difflib.get_close_matches(args.env_id, ["Catch"], n=1, cutoff=0.3)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        fail(f"--env-id {args.env_id!r} is not available{hint}; this file defines: 'Catch'")
+    check_flags(args, unit=("gamma", "q_lambda", "epsilon"), positive=("learning_rate",))
+    check_seed(args.seed, 2**32)
+    return args
+
+
+# ---- The run: compile the Anakin call once, call it, log --------------------------------------
+
+def main(args: Args) -> dict:
+    caught = catch_stop_signals()
+    args = check_args(args)
+    start_distributed(args)
+    mesh = pick_devices(args)
+    batch = args.num_steps * args.num_envs_per_device * mesh.size
+    num_updates = args.total_timesteps // batch
+    state, first = initial_state(args, mesh, batch)
+    run = open_run(args)
+    train = compile_train(args, mesh, state)
+    update, n, start, row = first, 0, time.time(), {}
+    while update < num_updates:
+        safe_point(caught, update, run, partial(checkpoint, args, run, state, update, batch),
+                   due=update % args.checkpoint_every < n)  # a multiple of --checkpoint-every was passed
+        n = min(args.log_every, num_updates - update)
+        tic = time.time()
+        state, stats = train(state, np.int32(n))
+        stats = jax.device_get(stats)  # sums over the call's n updates; waits for them
+        update += n
+        sps = n * batch / (time.time() - tic)
+        row = {"global_step": update * batch, "update": update,
+               **metrics_row(stats, n, args.learning_rate, sps)}  # a constant learning rate: no schedule
+        check_finite({name: value for name, value in row.items() if name.startswith("losses/")}, update, run)
+        eta = (time.time() - start) / (update - first) * (num_updates - update)
+        log(run, row, num_updates, num_updates * batch, eta)
+    checkpoint(args, run, state, update, batch)
+    row["checksum"] = checksum(state.params)
+    say(f"checksum {row['checksum']}")
     return row
 
 
 # ---- Plumbing: the same text in all four scripts (tests/test_plumbing.py keeps it so) ----
-# Not the algorithm: flag checks, joining a multi-host run, the run folder, stop signals,
-# checkpoints, metrics rows and the progress line. Read once, skip in the other files; what
-# differs between the scripts comes in as arguments.
+# Not the algorithm: flag checks, multi-host start, run folder, signals, checkpoints, logs. Skip it.
 
 def fail(message):
     """Bad input: one line on stderr and exit status 2, before anything is compiled."""
@@ -367,96 +423,70 @@ def fail(message):
     sys.exit(2)
 
 
-def flag(name):
-    return "--" + name.replace("_", "-")
-
-
-def check_flags(args, counts=(), unit=(), positive=(), nonnegative=()):
-    """Counts at least 1; floats finite and in range (`unit`: [0, 1], `positive`: > 0,
-    `nonnegative`: >= 0); a --resume file that exists."""
-    for name in counts:
-        if getattr(args, name) < 1:
-            fail(f"{flag(name)} {getattr(args, name)} must be at least 1")
-    for names, ok, valid in ((unit, lambda x: 0 <= x <= 1, "in [0, 1]"), (positive, lambda x: x > 0, "above 0"),
-                             (nonnegative, lambda x: x >= 0, "at least 0")):
-        for name in names:
-            value = getattr(args, name)
-            if not (math.isfinite(value) and ok(value)):
-                fail(f"{flag(name)} {value} must be a finite number {valid}")
+def check_flags(args, unit=(), positive=()):
+    """Counts in 1..2**31 - 1 (steps: 2**62 - 1), floats finite and >= 0 (`positive` > 0, `unit` <= 1), --resume."""
+    for name, value in dataclasses.asdict(args).items():
+        top = 2**62 if name == "total_timesteps" else 2**31
+        if type(value) is int and name not in ("seed", "num_processes", "process_id") and not 1 <= value < top:
+            fail(f"--{name.replace('_', '-')} {value} must be in 1..{top - 1:,}")
+        if type(value) is float:
+            ok = value <= 1 if name in unit else value > 0 if name in positive else True
+            if not (math.isfinite(value) and value >= 0 and ok):
+                valid = "in [0, 1]" if name in unit else "above 0" if name in positive else "at least 0"
+                fail(f"--{name.replace('_', '-')} {value} must be a finite number {valid}")
     if args.resume is not None and not Path(args.resume).is_file():
         fail(f"--resume {args.resume!r}: no such checkpoint file")
 
 
 def check_seed(seed, limit):
-    """Seeds in [0, limit) each give their own random numbers: JAX keeps a seed's low 32 bits
-    (limit 2**32), envpool takes int32 seeds (Sebulba: the seed plus each env's index < 2**31)."""
+    """Seeds with random numbers of their own: JAX keeps 32 bits, envpool int32 seeds (seed + env index)."""
     if not 0 <= seed < limit:
         fail(f"--seed {seed} must be in 0..{limit - 1:,}: other seeds repeat these seeds' random numbers "
              "or are refused by the environments")
 
 
 def start_distributed(args):
-    """Join a multi-host run (jax.distributed) if --distributed is given. A dead peer ends the
-    others within two minutes (`lost_peer`, `watch_peers`)."""
-    given = [flag(name) for name in ("coordinator_address", "num_processes", "process_id")
-             if getattr(args, name) is not None]
-    if not args.distributed:
-        if given:
-            fail(f"{', '.join(given)} only apply to a multi-host run: add --distributed")
-        return
-    if args.num_processes is not None and args.num_processes < 1:
-        fail(f"--num-processes {args.num_processes} must be at least 1")
-    if None not in (args.num_processes, args.process_id) and not 0 <= args.process_id < args.num_processes:
-        fail(f"--process-id {args.process_id} must be in 0..{args.num_processes - 1} (--num-processes "
-             f"{args.num_processes})")
-    # JAX's preemption service would take SIGTERM from `catch_stop_signals`; `stop_signal` does its job.
-    jax.config.update("jax_enable_preemption_service", False)
-    try:
-        # JAX's heartbeat (150 s here) only ends the run if `watch_peers` (at most 120 s) has not.
-        jax.distributed.initialize(args.coordinator_address, args.num_processes, args.process_id,
-                                   heartbeat_timeout_seconds=150)
-    except (ValueError, TypeError, RuntimeError) as e:
-        fail(f"--distributed: {str(e).splitlines()[0]} (outside a cluster JAX detects (SLURM, Cloud TPU, "
-             "Kubernetes), give --coordinator-address, --num-processes and --process-id)")
-
-
-def check_fits(num_bytes, what):
-    """Refuse, up front, buffers that cannot fit in this host's memory."""
-    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    if num_bytes > memory:
-        fail(f"{what} would need {num_bytes / 2**30:,.1f} GiB, more than this host's {memory / 2**30:,.1f} GiB")
+    """With --distributed, join a multi-host run (if a process dies, JAX's heartbeat ends the others)."""
+    given = [n for n in ("coordinator_address", "num_processes", "process_id") if getattr(args, n) is not None]
+    if given and not args.distributed:
+        given = ", ".join("--" + n.replace("_", "-") for n in given)
+        fail(f"{given} only apply to a multi-host run: add --distributed")
+    if args.distributed:
+        jax.config.update("jax_enable_preemption_service", False)  # it would take SIGTERM from us
+        try:
+            jax.distributed.initialize(args.coordinator_address, args.num_processes, args.process_id)
+        except (ValueError, TypeError, RuntimeError) as e:
+            fail(f"--distributed: {str(e).splitlines()[0]} (outside a cluster JAX detects (SLURM, Cloud TPU, "
+                 "Kubernetes), give --coordinator-address, --num-processes and --process-id)")
 
 
 class Run(NamedTuple):
     folder: Path | None  # process 0 only: the other processes write nothing
-    writer: SummaryWriter | None
+    events: EventsWriter | None  # TensorBoard's, written by this thread so that a failure is seen
     checkpoint: Path | None
 
 
 def open_run(args):
-    """{run-dir}/{env}__{exp-name}__{seed}__{unix time}, flat for namespaced ids. A run only writes into
-    a folder it created: a second run started in the same second gets the suffix _1, _2, ..."""
+    """A new folder {run-dir}/{env}__{exp-name}__{seed}__{unix time}[_1, _2, ...], its name made flat."""
     if jax.process_index() != 0:
         return Run(None, None, None)
-    base = f"{args.env_id.replace(':', '_').replace('/', '_')}__{args.exp_name}__{args.seed}__{int(time.time())}"
-    folder, n = Path(args.run_dir) / base, 0
-    while True:
+    name = "__".join(str(s).replace(":", "_").replace("/", "_") for s in (args.env_id, args.exp_name, args.seed))
+    base = Path(args.run_dir) / f"{name}__{int(time.time())}"
+    for folder in (base.with_name(f"{base.name}_{n}") if n else base for n in itertools.count()):
         try:
             folder.mkdir(parents=True)
-            break
+            (folder / "args.json").write_text(json.dumps(dataclasses.asdict(args), indent=2))
+            return Run(folder, EventsWriter(str(folder / "events")), folder / "checkpoint.npz")
         except FileExistsError:
-            n += 1
-            folder = Path(args.run_dir) / f"{base}_{n}"
+            pass
         except OSError as e:
-            fail(f"--run-dir {args.run_dir!r}: cannot make a run folder in it ({e.strerror})")
-    (folder / "args.json").write_text(json.dumps(dataclasses.asdict(args), indent=2))
-    return Run(folder, SummaryWriter(str(folder)), folder / "checkpoint.npz")
+            blame = f"--exp-name {args.exp_name!r}" if e.errno == errno.ENAMETOOLONG else f"--run-dir {args.run_dir!r}"
+            fail(f"{blame}: cannot make the run folder {folder} ({e.strerror})")
 
 
 def catch_stop_signals():
-    """Ctrl-C (SIGINT) and SIGTERM (what SLURM and Kubernetes send before a kill) only note the
-    signal: the run stops at its next safe point, writes a checkpoint and exits 128 + the signal's
-    number (130, 143). Raising inside JAX or envpool could hang. A second signal exits at once."""
+    """SIGINT (Ctrl-C), SIGTERM (SLURM, Kubernetes) and SIGHUP (a closed terminal) are only noted, as raising
+    inside JAX or envpool could hang; `safe_point` acts on them. A second signal exits at once."""
     caught = []
 
     def note(signum, _):
@@ -464,221 +494,125 @@ def catch_stop_signals():
             os._exit(128 + signum)
         caught.append(signum)
 
-    for signum in (signal.SIGINT, signal.SIGTERM):
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, note)
     return caught
 
 
-def stop_signal(caught):
-    """0 to go on, else the signal to stop for; the same on every process of a multi-host run (the
-    largest caught anywhere), so that every process stops after the same update."""
-    mine = caught[0] if caught else 0
-    if jax.process_count() == 1:
-        return mine
-    return int(np.max(multihost_utils.process_allgather(np.int32(mine))))
+def safe_point(caught, update, run, checkpoint, due):
+    """Between updates: `checkpoint()` if `due`; on a signal caught by any process, checkpoint and exit (all)."""
+    signum = caught[0] if caught else 0
+    if jax.process_count() > 1:
+        signum = int(np.max(multihost_utils.process_allgather(np.int32(signum))))
+    if signum or due:
+        checkpoint()
+    if signum:
+        exit_now(128 + signum, run, f"stopped by {signal.Signals(signum).name} after update {update}")
 
 
 def flat(tree):
-    """{key path: leaf}: the names of a checkpoint's arrays."""
     return {jax.tree_util.keystr(path, simple=True, separator="/"): leaf
             for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
-def save(path, tree):
-    """Write host arrays to `path` (None: not process 0) through a temporary file moved into place,
-    so a crash or a kill never leaves a torn checkpoint."""
-    if path is None:
-        return
-    tmp = path.with_name("checkpoint.tmp.npz")
-    np.savez(tmp, **flat(tree))
-    os.replace(tmp, path)
+def save(run, tree, args):
+    """Host arrays and the run's flags to a temporary file moved into place: never a torn checkpoint."""
+    if run.checkpoint is not None:
+        tmp = run.checkpoint.with_name("checkpoint.tmp.npz")
+        try:
+            np.savez(tmp, **flat(tree), args=json.dumps(dataclasses.asdict(args)))
+            os.replace(tmp, run.checkpoint)
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
+            exit_now(1, run, f"error: cannot write {tmp} ({e.strerror or e})")
 
 
-def load(path, template, num_updates, hint):
-    """The checkpoint at `path` as host arrays shaped like `template` (a dict with an "update" count).
-    Unreadable files, other runs' checkpoints (`hint`: which flags must match) and runs already at
-    this run's last update are one error line."""
+def load(args, template, batch, hint):
+    """The --resume checkpoint's arrays if its run had these flags, shapes (`hint`), steps per update and budget."""
     try:
-        with np.load(path, allow_pickle=False) as f:
+        with np.load(args.resume, allow_pickle=False) as f:
             arrays = dict(f)
     except Exception as e:  # empty, truncated, random bytes, pickled
-        fail(f"--resume {path!r} is not a readable checkpoint ({type(e).__name__}: {str(e).splitlines()[0]})")
-    names = flat(template)
-    for name, like in names.items():
+        fail(f"--resume {args.resume!r} is not a readable checkpoint ({type(e).__name__}: {str(e).splitlines()[0]})")
+    for name, like in flat(template).items():
         got = arrays.get(name)
         if got is None or got.shape != like.shape or got.dtype != like.dtype:
             found = "missing" if got is None else f"{got.dtype}{list(got.shape)}"
-            fail(f"--resume {path!r} does not match this run: {name} is {found}, expected "
-                 f"{like.dtype}{list(like.shape)} ({hint})")
-    tree = jax.tree.unflatten(jax.tree.structure(template), [arrays[name] for name in names])
-    if tree["update"] >= num_updates:
-        fail(f"--resume {path!r} is at update {int(tree['update'])}, the end of a {num_updates}-update run: "
-             "raise --total-timesteps to go on")
-    return tree
+            fail(f"--resume {args.resume!r} does not match this run: {name} is {found}, expected {like.dtype}"
+                 f"{list(like.shape)} ({hint})")
+    if "args" not in arrays:
+        fail(f"--resume {args.resume!r} does not match this run: it records no flags ({hint})")
+    saved, now = json.loads(str(arrays["args"])), json.loads(json.dumps(dataclasses.asdict(args)))
+    free = ("total_timesteps", "log_every", "checkpoint_every", "run_dir", "exp_name", "resume", "distributed",
+            "coordinator_address", "num_processes", "process_id")
+    for name in [n for n in now if n not in free and saved.get(n) != now[n]]:
+        fail(f"--resume {args.resume!r} comes from a run with --{name.replace('_', '-')} {saved.get(name)}, not "
+             f"{now[name]} (a resumed run may change only the budget, logging, checkpoint and folder flags)")
+    if arrays["global_step"] != arrays["update"] * batch:
+        fail(f"--resume {args.resume!r} comes from a run whose updates were not of {batch:,} steps (another number "
+             "of hosts?)")
+    if arrays["update"] >= args.total_timesteps // batch:
+        fail(f"--resume {args.resume!r} is at update {int(arrays['update'])} of a --total-timesteps "
+             f"{args.total_timesteps:,} run: raise --total-timesteps to go on")
+    return jax.tree.unflatten(jax.tree.structure(template), [arrays[name] for name in flat(template)])
 
 
-def on_disk(run):
-    """What a stopping run leaves behind, said exactly."""
+def exit_now(code, run, line):
+    """Say `line` and what is on disk; exit at once (a normal exit could wait on envpool, XLA or a dead peer)."""
     if run.folder is None:
-        return "process 0 writes this run's checkpoints"
-    if not run.checkpoint.is_file():
-        return f"no checkpoint was written yet ({run.folder} holds args.json and the metrics)"
-    with np.load(run.checkpoint) as f:
-        return f"the checkpoint {run.checkpoint} holds update {int(f['update'])}: go on with --resume {run.checkpoint}"
-
-
-def close(run):
-    if run.writer is not None:
-        run.writer.close()
-
-
-def exit_now(code, run):
-    """Close the logs and end the process without the interpreter's shutdown, which could wait on a
-    thread inside envpool or XLA, or on a dead peer (jax.distributed's shutdown barrier)."""
-    close(run)
-    sys.stdout.flush()
-    sys.stderr.flush()
+        line += "; process 0 holds the checkpoints"
+    else:
+        try:
+            with np.load(run.checkpoint) as f:
+                line += f"; the checkpoint {run.checkpoint} holds update {int(f['update'])}: --resume it to go on"
+        except OSError:
+            line += f"; no checkpoint is in {run.folder}"
+        with contextlib.suppress(OSError):
+            run.events.close()
+    with contextlib.suppress(OSError):  # a closed stdout or stderr
+        print(line, file=sys.stderr if code == 1 else sys.stdout, flush=True)
     os._exit(code)
 
 
-def stopped(signum, update, run):
-    print(f"stopped by {signal.Signals(signum).name} after update {update}: {on_disk(run)}", flush=True)
-    exit_now(128 + signum, run)
-
-
 def check_finite(losses, update, run):
-    """Stop the run (exit status 1) at a NaN or infinite loss, saying which checkpoint is on disk."""
-    bad = {name: value for name, value in losses.items() if not math.isfinite(value)}
-    if bad:
-        print(f"error: non-finite loss at update {update} ({bad}); {on_disk(run)}", file=sys.stderr, flush=True)
-        exit_now(1, run)
+    if bad := {name: value for name, value in losses.items() if not math.isfinite(value)}:
+        exit_now(1, run, f"error: non-finite loss at update {update} ({bad})")
 
 
-def lost_peer(error, run):
-    """Multi-host: a collective failed, nearly always because another process died. One line, then exit:
-    a normal exit would wait for the dead peer at jax.distributed's shutdown and abort 100 s later."""
-    print(f"error: lost contact with another process of this {jax.process_count()}-process run "
-          f"({str(error).splitlines()[0]}); {on_disk(run)} on every process", file=sys.stderr,
-          flush=True)
-    exit_now(1, run)
+def say(line):
+    """Print to stdout; once stdout is closed (`| head`), training goes on without it."""
+    try:
+        print(line, flush=True)
+    except OSError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
-def watch_peers(run):
-    """Multi-host: a collective whose peer died often fails at once (`lost_peer`), but it can also
-    block until JAX's heartbeat aborts the process with a C++ stack. From the end of the first log
-    interval on, a thread ends the run with one line when `beat` (called at each safe point) goes
-    quiet for 3 times the longest interval so far, at least 60 s and at most 120 s."""
-    beats = [0, time.monotonic(), 0.0]  # calls so far, time of the last one, longest interval
-
-    def beat():
-        now = time.monotonic()
-        longest = max(beats[2], now - beats[1]) if beats[0] >= 1 else 0.0
-        beats[:] = [beats[0] + 1, now, longest]
-
-    def limit():
-        return min(120.0, max(60.0, 3 * beats[2]))
-
-    def watch():
-        while beats[0] < 2 or time.monotonic() - beats[1] < limit():
-            time.sleep(1)
-        print(f"error: no progress for {limit():.0f} s in this {jax.process_count()}-process run: another process "
-              f"has probably died; {on_disk(run)} on every process", file=sys.stderr, flush=True)
-        exit_now(1, run)
-
-    if jax.process_count() > 1:
-        threading.Thread(target=watch, daemon=True).start()
-    return beat
-
-
-def duration(seconds):
-    minutes, seconds = divmod(int(seconds), 60)
-    return f"{minutes // 60}h{minutes % 60:02d}m" if minutes >= 60 else f"{minutes}m{seconds:02d}s"
-
-
-def log(run, row, update, num_updates, total_steps, eta):
-    """A metrics row (CleanRL's names) to metrics.jsonl and TensorBoard, and the progress line; process 0."""
+def log(run, row, num_updates, total_steps, eta):
+    """A metrics row (CleanRL's names) to metrics.jsonl and TensorBoard, and the progress line (process 0)."""
     if run.folder is None:
         return
-    with open(run.folder / "metrics.jsonl", "a") as f:
-        f.write(json.dumps(row) + "\n")
-    for name, value in row.items():
-        if "/" in name:
-            run.writer.add_scalar(name, value, row["global_step"])
     step, ret = row["global_step"], row.get("charts/episodic_return")
-    print(f"update {update}/{num_updates} | step {step:,}/{total_steps:,} ({step / total_steps:.0%}) | "
-          f"SPS {row['charts/SPS']:,.0f} | return {'-' if ret is None else f'{ret:.2f}'} | ETA {duration(eta)}",
-          flush=True)
+    try:
+        with open(run.folder / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(row) + "\n")
+        for name in [name for name in row if "/" in name]:
+            run.events.write_event(Event(wall_time=time.time(), step=step, summary=scalar(name, row[name])))
+        run.events.flush()
+    except OSError as e:
+        exit_now(1, run, f"error: cannot write the metrics in {run.folder} ({e.strerror or e})")
+    minutes = int(eta) // 60
+    eta = f"{minutes // 60}h{minutes % 60:02d}m" if minutes >= 60 else f"{minutes}m{int(eta) % 60:02d}s"
+    say(f"update {row['update']}/{num_updates} | step {step:,}/{total_steps:,} ({step / total_steps:.0%}) | "
+        f"SPS {row['charts/SPS']:,.0f} | return {'-' if ret is None else f'{ret:.2f}'} | ETA {eta}")
 
 
 def checksum(params):
     """sha256 of this host's copy of the parameters in key-path order: equal runs, equal hosts, equal sums."""
     digest = hashlib.sha256()
-    for leaf in flat(params).values():
+    for leaf in jax.tree.leaves(params):  # in key-path order
         digest.update(np.ascontiguousarray(leaf.addressable_data(0) if isinstance(leaf, jax.Array) else leaf).tobytes())
     return digest.hexdigest()
-
-
-# ---- The run ------------------------------------------------------------------------------
-
-def main(args: Args) -> dict:
-    caught = catch_stop_signals()
-    args = check_args(args)
-    start_distributed(args)
-    mesh = pick_devices(args)
-    num_envs = args.num_envs_per_device * mesh.size
-    steps_per_update = num_envs * args.num_steps
-    num_updates = args.total_timesteps // steps_per_update
-    if num_updates < 1:
-        fail(f"--total-timesteps {args.total_timesteps:,} is less than one update: {steps_per_update:,} steps "
-             f"(--num-steps {args.num_steps} x {args.num_envs_per_device} envs x {mesh.size} devices)")
-    init, shapes = init_on_mesh(args, mesh, num_envs)
-    template = {"state": shapes, "update": np.int64(0), "global_step": np.int64(0)}
-    if args.resume:
-        ckpt = load(args.resume, template, num_updates, "same --num-envs-per-device and device count?")
-    run = open_run(args)
-    if args.resume:
-        state, update, global_step = place(ckpt["state"], mesh), int(ckpt["update"]), int(ckpt["global_step"])
-    else:
-        state, update, global_step = init(), 0, 0
-    first = update
-
-    def checkpoint():  # every process takes part in gathering every host's envs; process 0 writes
-        host = multihost_utils.process_allgather(state, tiled=True)
-        save(run.checkpoint, {"state": host, "update": np.int64(update), "global_step": np.int64(global_step)})
-
-    try:
-        tic = time.time()  # compiled ahead of time, so SPS never includes compilation
-        train = make_train(args, mesh)
-        train = train.lower(state, np.int32(args.log_every)).compile()
-        print(f"compiled in {time.time() - tic:.1f}s", flush=True)
-        start, row, beat = time.time(), {}, watch_peers(run)
-        while update < num_updates:
-            beat()
-            if signum := stop_signal(caught):
-                checkpoint()
-                stopped(signum, update, run)
-            n = min(args.log_every, num_updates - update)
-            tic = time.time()
-            state, stats = train(state, np.int32(n))
-            stats = jax.device_get(stats)  # sums over the call's n updates; waits for them
-            update, global_step = update + n, global_step + n * steps_per_update
-            sps = n * steps_per_update / (time.time() - tic)
-            lr = args.learning_rate  # constant: no schedule
-            row = {"global_step": global_step, "update": update, **metrics_row(stats, n, lr, sps)}
-            check_finite({name: value for name, value in row.items() if name.startswith("losses/")}, update, run)
-            eta = (time.time() - start) / (update - first) * (num_updates - update)
-            log(run, row, update, num_updates, num_updates * steps_per_update, eta)
-            if update % args.checkpoint_every < n and update < num_updates:
-                checkpoint()
-        checkpoint()
-    except jax.errors.JaxRuntimeError as e:
-        if jax.process_count() == 1:
-            raise
-        lost_peer(e, run)
-    close(run)
-    row["checksum"] = checksum(state.params)
-    print(f"checksum {row['checksum']}", flush=True)
-    return row
 
 
 if __name__ == "__main__":

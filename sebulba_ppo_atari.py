@@ -25,9 +25,12 @@ Examples:
     python sebulba_ppo_atari.py --resume runs/Breakout-v5__sebulba_ppo_atari__1__1700000000/checkpoint.npz
 """
 
+import contextlib
 import dataclasses
 import difflib
+import errno
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -49,7 +52,9 @@ import optax
 import tyro
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-from tensorboardX import SummaryWriter
+from tensorboardX.event_file_writer import EventsWriter
+from tensorboardX.proto.event_pb2 import Event
+from tensorboardX.summary import scalar
 
 import envpool
 
@@ -330,7 +335,7 @@ def ppo_loss(params, mb, args, axis_name):
     return loss, losses
 
 
-# ---- Acting (actor devices) ------------------------------------------------------------
+# ---- Acting (actor devices): Python threads step the envs and run the policy ---------------
 
 @jax.jit
 def act(params, obs, key):
@@ -338,7 +343,7 @@ def act(params, obs, key):
     key, sub = jax.random.split(key)
     logits, values = apply(params, obs)
     actions = jax.random.categorical(sub, logits)
-    return actions, (log_prob(logits, actions), values), key
+    return actions, log_prob(logits, actions), values, key
 
 
 class Rollout(NamedTuple):
@@ -353,16 +358,6 @@ class Rollout(NamedTuple):
     valid: np.ndarray  # [T, E] 0.0: step t is the env's reset step after an episode's end
 
 
-def to_rollout(steps, state, params):
-    """The rollout of `collect`'s steps; the actor state after them gives the bootstrap value."""
-    obs, actions, (logprobs, values), rewards, terminated, dones, valid = steps
-    _, (_, bootstrap), key = act(params, state.obs, state.key)
-    values = np.concatenate([values, np.asarray(bootstrap)[None]])
-    flags = (x.astype(np.float32) for x in (terminated, dones, valid))
-    rollout = Rollout(obs, actions, logprobs, values, rewards, *flags)
-    return rollout, state._replace(key=key)
-
-
 class ActorState(NamedTuple):
     """What an actor thread carries from one step, and one rollout, to the next."""
     obs: np.ndarray  # [E, *obs_shape] the observation to act on
@@ -375,42 +370,46 @@ class ActorState(NamedTuple):
 class ActorStats(NamedTuple):
     returns: list  # whole games that ended during the rollout
     lengths: list
-    lag: int  # updates between the acting parameters and the learner's
-    rollout_time: float  # seconds per rollout, of which:
-    inference_time: float  # the policy, including fetching its actions
-    env_step_time: float  # the envs' step
-    actor_params_wait: float  # seconds waiting for parameters recent enough
-    actor_queue_wait: float  # seconds the previous rollout waited for room in the queue
+    inference_time: float  # seconds per rollout in the policy, fetching its actions included
+    env_step_time: float  # seconds per rollout in the envs' step
+    rollout_time: float = 0.0  # seconds per rollout in all
+    lag: int = 0  # updates between the acting parameters and the learner's
+    actor_params_wait: float = 0.0  # seconds waiting for parameters recent enough
+    actor_queue_wait: float = 0.0  # seconds the previous rollout waited for room in the queue
 
 
 def collect(envs, params, state, num_steps):
-    """Step the envs `num_steps` times with the policy: (Rollout, ActorState, returns, lengths, times)."""
+    """Step the envs `num_steps` times with the policy: the Rollout, the next ActorState, ActorStats."""
     steps, returns, lengths, inference_s, env_s = [], [], [], 0.0, 0.0
     for _ in range(num_steps):
         t0 = time.perf_counter()
-        actions, out, key = act(params, state.obs, state.key)
-        actions, out = jax.device_get((actions, out))
+        actions, logprobs, values, key = act(params, state.obs, state.key)
+        actions, logprobs, values = jax.device_get((actions, logprobs, values))
         t1 = time.perf_counter()
         step = env_step(envs, actions)
         inference_s, env_s = inference_s + t1 - t0, env_s + time.perf_counter() - t1
-        steps.append((state.obs, actions, out, step.reward, step.terminated, step.ended, ~state.ended))
+        steps.append(Rollout(state.obs, actions, logprobs, values, step.reward, step.terminated, step.ended,
+                             ~state.ended))
         # A reset step (after any episode end, a life lost included) ignores the action: no step of a game.
         game_return, game_length = state.game_return + step.score, state.game_length + ~state.ended
         returns += game_return[step.game_over].tolist()
         lengths += game_length[step.game_over].tolist()
         state = ActorState(step.obs, key, step.ended, np.where(step.game_over, 0.0, game_return),
                            np.where(step.game_over, 0, game_length))
-    rollout, state = to_rollout(jax.tree.map(lambda *x: np.stack(x), *steps), state, params)
-    return rollout, state, returns, lengths, (inference_s, env_s)
+    rollout = jax.tree.map(lambda *x: np.stack(x), *steps)
+    _, _, bootstrap, key = act(params, state.obs, state.key)  # V of the observation after the last step
+    rollout = rollout._replace(values=np.concatenate([rollout.values, np.asarray(bootstrap)[None]]),
+                               **{f: getattr(rollout, f).astype(np.float32) for f in ("terminated", "dones", "valid")})
+    return rollout, state._replace(key=key), ActorStats(returns, lengths, inference_s, env_s)
 
 
 class Stopped(Exception):
     """The run is stopping (it ended, or an actor thread failed): whoever waits gives up."""
 
 
-def until_stopped(op, stop, *op_args):
-    """`q.put` or `q.get` on a bounded queue: wait, but never past a stop."""
-    while not stop.is_set():
+def until_stopped(op, stopping, *op_args):
+    """`q.put` or `q.get` on a bounded queue: wait, but raise Stopped once `stopping()`."""
+    while not stopping():
         try:
             return op(*op_args, timeout=0.5)
         except (queue.Full, queue.Empty):
@@ -439,27 +438,27 @@ class ParamStore:
             return self.version, self.params
 
 
-def actor_loop(stop, args, index, device, learner_devices, store, out, start_update, num_updates):
+def actor_loop(stop, args, index, device, learner_devices, store, out, first, num_updates):
     """One actor thread (paper section 4): act on `device`, ship each rollout to the learners."""
     n = args.local_num_envs
     envs = make_envs(args, n, args.seed + index * n)
     # Each thread samples actions from its own stream, and a resumed run from new ones.
-    key = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(args.seed), start_update), 1 + index)
+    key = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(args.seed), first), 1 + index)
     state = ActorState(env_reset(envs), jax.device_put(key, device), np.zeros(n, bool), np.zeros(n), np.zeros(n, int))
     put_s = 0.0  # a rollout's queue wait is known only after it is sent: reported with the next
-    for u in range(start_update, num_updates):  # rollout u feeds update u + 1
+    for u in range(first, num_updates):  # rollout u feeds update u + 1
         start = time.perf_counter()
         # Rollout u is collected while the learner works on rollout u - 1, so it may act with
         # parameters version u - 1 (lag 1); --no-policy-lag waits for version u.
         version, params = store.wait(u - int(args.policy_lag), stop)
         waited = time.perf_counter() - start
-        rollout, state, returns, lengths, (inference_s, env_s) = collect(envs, params[device], state, args.num_steps)
+        rollout, state, stats = collect(envs, params[device], state, args.num_steps)
         splits = [np.split(x, len(learner_devices), axis=1) for x in rollout]  # each learner's envs
         parts = [jax.device_put(Rollout(*(s[i] for s in splits)), d) for i, d in enumerate(learner_devices)]
-        stats = ActorStats(returns, lengths, u - version, time.perf_counter() - start - waited,
-                           inference_s, env_s, waited, put_s)
+        stats = stats._replace(rollout_time=time.perf_counter() - start - waited, lag=u - version,
+                               actor_params_wait=waited, actor_queue_wait=put_s)
         start = time.perf_counter()
-        until_stopped(out.put, stop, (parts, stats))
+        until_stopped(out.put, stop.is_set, (parts, stats))
         put_s = time.perf_counter() - start
 
 
@@ -544,17 +543,7 @@ def make_update(args, mesh, num_updates):
     return jax.jit(sharded)
 
 
-# ---- This script's flags, devices and learner loop ---------------------------------------
-
-def check_args(args):
-    """Flag checks that need no device; returns the args and the env's EnvInfo."""
-    env = describe_env(args.env_id, args.machado)
-    check_flags(args, counts=("total_timesteps", "num_actor_threads", "local_num_envs", "num_steps", "num_minibatches",
-                              "update_epochs", "log_every", "checkpoint_every"),
-                unit=("gamma", "gae_lambda"), positive=("learning_rate",),
-                nonnegative=("clip_coef", "ent_coef", "vf_coef", "max_grad_norm"))
-    return args, env
-
+# ---- The device mapping: actor and learner devices on every host, rollouts between them ----
 
 class Layout(NamedTuple):
     actor_devices: list  # this host's
@@ -581,25 +570,17 @@ def pick_devices(args):
     return Layout([mine[i] for i in actors], [mine[i] for i in learners], mesh, num_envs)
 
 
-def check_sizes(args, layout, env):
-    """Counts that must divide or fit; returns the number of updates."""
-    n_learners = len(layout.learner_devices)
-    if args.local_num_envs % n_learners:
-        fail(f"--local-num-envs {args.local_num_envs} must divide evenly across {n_learners} learner devices")
-    check_seed(args.seed, 2**31 - layout.num_envs + 1)  # env i of the run is seeded with seed + i
-    # Each actor thread holds a rollout it collects, one in its queue and one being learned from.
-    threads = len(layout.actor_devices) * args.num_actor_threads
-    obs_bytes = np.prod(env.obs_shape)  # uint8 frames
-    check_fits(3 * threads * (args.num_steps + 1) * args.local_num_envs * obs_bytes,
-               f"the rollouts of {threads} actor threads x --local-num-envs {args.local_num_envs}")
-    batch = args.num_steps * layout.num_envs
-    if (batch // layout.mesh.size) % args.num_minibatches:
-        fail(f"--num-minibatches {args.num_minibatches} must divide the {batch // layout.mesh.size} samples "
-             "on each learner (--num-steps x envs per learner)")
-    if args.total_timesteps < batch:
-        fail(f"--total-timesteps {args.total_timesteps} is less than one update ({batch:,} steps = "
-             f"--num-steps {args.num_steps} x {layout.num_envs} envs)")
-    return args.total_timesteps // batch
+def start_actors(args, layout, store, stop, errors, first_update, num_updates):
+    """This host's actor threads, each with its own bounded queue (read by the learner in a fixed order)."""
+    queues = [queue.Queue(maxsize=1) for _ in range(len(layout.actor_devices) * args.num_actor_threads)]
+    devices = [d for d in layout.actor_devices for _ in range(args.num_actor_threads)]
+    first = jax.process_index() * len(queues)  # global thread indices: env seeds differ across hosts
+    threads = [threading.Thread(target=actor_thread, name=f"actor{first + i}", daemon=True, args=(
+        stop, errors, args, first + i, device, layout.learner_devices, store, q, first_update, num_updates))
+        for i, (device, q) in enumerate(zip(devices, queues))]
+    for t in threads:
+        t.start()
+    return queues, threads
 
 
 def assemble(parts, layout):
@@ -624,6 +605,8 @@ def to_actors(params, layout):
     return {d: jax.device_put(local(params), d) for d in layout.actor_devices}
 
 
+# ---- The learner loop (main thread): rollouts in, updates, parameters out ----------------
+
 class Loop(NamedTuple):
     """What the learner loop works with besides its state."""
     layout: Layout
@@ -632,142 +615,110 @@ class Loop(NamedTuple):
     store: ParamStore
     stop: threading.Event  # set by a failing actor thread, and at the end
     caught: list  # stop signals caught (catch_stop_signals)
-    run: object  # the run folder's Run
+    run: "Run"  # the run folder (plumbing)
+    first: int  # the update this run starts after (a resumed checkpoint's)
+    num_updates: int  # the update it ends with
+    batch: int  # steps per update
+    start: float  # time.perf_counter() at the start
 
 
-def checkpoint(run, state, update, layout, args):
-    if run.checkpoint is None:  # not process 0: the state is replicated, so nothing to fetch
-        return
-    host = jax.device_get(local(state))
-    save(run.checkpoint, {"state": host, "update": np.int64(update),
-                          "global_step": np.int64(update * args.num_steps * layout.num_envs)})
+def receive(loop):
+    """Every local actor thread's next (rollout parts, ActorStats); None once a stop signal is caught."""
+    try:
+        return [until_stopped(q.get, lambda: loop.stop.is_set() or bool(loop.caught)) for q in loop.queues]
+    except Stopped:
+        if loop.stop.is_set():  # an actor thread failed
+            raise
+        return None
 
 
-def report(args, loop, window, update, num_updates, eta):
-    """Write a metrics row (CleanRL's names) for the log window, print the progress line; returns the row."""
-    batch, stats, mean = args.num_steps * loop.layout.num_envs, window["actors"], lambda xs: float(np.mean(xs))
-    sps = len(window["learner_time"]) * batch / (time.perf_counter() - window["start"])
-    row = {"global_step": update * batch, "update": update, "charts/SPS": sps,
-           "charts/learning_rate": learning_rate(args, num_updates, update - 1),  # the last update's
+def learn(args, loop, state):
+    """Update u learns from rollout u - 1 and publishes parameters version u to the actors.
+    Returns the state and the last metrics row."""
+    window, row, first = new_window(), {}, loop.first
+    for update in range(first + 1, loop.num_updates + 1):
+        with timer(window.learner_queue_wait):
+            rollouts = receive(loop)
+        safe_point(loop.caught, update - 1, loop.run, partial(checkpoint, args, loop, state, update - 1),
+                   due=update - 1 > first and (update - 1) % args.checkpoint_every == 0)
+        with timer(window.learner_time):
+            state, losses = loop.update(state, assemble([parts for parts, _ in rollouts], loop.layout))
+            loop.store.publish(update, to_actors(state.params, loop.layout))
+            losses = jax.device_get(local(losses))
+        check_finite(losses._asdict(), update, loop.run)
+        window.losses.append(losses)
+        window.actors.extend(stats for _, stats in rollouts)
+        if update % args.log_every == 0 or update in (first + 1, loop.num_updates):
+            row, window = report(args, loop, window, update), new_window()
+    return state, row
+
+
+class Window(NamedTuple):
+    """What the learner saw since the last log line."""
+    start: float
+    actors: list  # ActorStats of every rollout
+    losses: list  # Losses of every update
+    learner_queue_wait: list  # seconds waiting for each update's rollouts
+    learner_time: list  # seconds per update, publishing the parameters included
+
+
+def new_window():
+    return Window(time.perf_counter(), [], [], [], [])
+
+
+@contextlib.contextmanager
+def timer(seconds):
+    """Append the seconds the `with` block takes to the list `seconds`."""
+    start = time.perf_counter()
+    yield
+    seconds.append(time.perf_counter() - start)
+
+
+def report(args, loop, window, update):
+    """Log a metrics row (CleanRL's names) for the window; returns it."""
+    mean = lambda xs: float(np.mean(xs))
+    stats, last = window.actors, loop.num_updates
+    row = {"global_step": update * loop.batch, "update": update,
+           "charts/SPS": len(window.learner_time) * loop.batch / (time.perf_counter() - window.start),
+           "charts/learning_rate": learning_rate(args, last, update - 1),  # the last update's
            "stats/param_lag": max(s.lag for s in stats),
-           **{f"losses/{k}": mean(v) for k, v in zip(Losses._fields, zip(*window["losses"]))},
+           **{f"losses/{k}": mean(v) for k, v in zip(Losses._fields, zip(*window.losses))},
            **{f"stats/{k}": mean([getattr(s, k) for s in stats])
               for k in ("rollout_time", "inference_time", "env_step_time", "actor_params_wait", "actor_queue_wait")},
-           **{f"stats/{k}": mean(window[k]) for k in ("learner_queue_wait", "learner_time")}}
-    returns = [r for s in stats for r in s.returns]
-    if returns:
+           **{f"stats/{k}": mean(getattr(window, k)) for k in ("learner_queue_wait", "learner_time")}}
+    if returns := [r for s in stats for r in s.returns]:
         row["charts/episodic_return"] = mean(returns)
         row["charts/episodic_length"] = mean([n for s in stats for n in s.lengths])
-    log(loop.run, row, update, num_updates, num_updates * batch, eta)
+    eta = (time.perf_counter() - loop.start) / (update - loop.first) * (last - update)
+    log(loop.run, row, last, last * loop.batch, eta)
     return row
 
 
-def learn(args, loop, state, start_update, num_updates):
-    """The learner loop (main thread): update u turns rollout u - 1 into parameters version u. Returns
-    the state, the number of updates done, the last metrics row and the stop signal (0: none)."""
-    new_window = lambda: {"start": time.perf_counter(), "actors": [], "losses": [], "learner_queue_wait": [],
-                          "learner_time": []}
-    row, window, t_start, beat = {}, new_window(), time.perf_counter(), watch_peers(loop.run)
-    for update in range(start_update + 1, num_updates + 1):
-        beat()
-        if signum := stop_signal(loop.caught):
-            return state, update - 1, row, signum
-        start = time.perf_counter()
-        items = [until_stopped(q.get, loop.stop) for q in loop.queues]
-        window["learner_queue_wait"].append(time.perf_counter() - start)
-        start = time.perf_counter()
-        state, losses = loop.update(state, assemble([parts for parts, _ in items], loop.layout))
-        loop.store.publish(update, to_actors(state.params, loop.layout))
-        losses = jax.device_get(local(losses))
-        window["learner_time"].append(time.perf_counter() - start)
-        check_finite({k: float(v) for k, v in losses._asdict().items()}, update, loop.run)
-        window["losses"].append(losses)
-        window["actors"] += [stats for _, stats in items]
-        # The run's first update is logged too: on a CPU an Atari update takes a while.
-        if update % args.log_every == 0 or update in (start_update + 1, num_updates):
-            per_update = (time.perf_counter() - t_start) / (update - start_update)
-            row = report(args, loop, window, update, num_updates, (num_updates - update) * per_update)
-            window = new_window()
-        if update % args.checkpoint_every == 0:
-            checkpoint(loop.run, state, update, loop.layout, args)
-    return state, num_updates, row, 0
+def checkpoint(args, loop, state, update):
+    """Process 0 fetches the replicated state (the others would only pay the transfer) and saves it."""
+    if loop.run.checkpoint is not None:
+        save(loop.run, {"state": jax.device_get(local(state)), "update": np.int64(update),
+                        "global_step": np.int64(update * loop.batch)}, args)
 
 
-def start_actors(args, layout, store, stop, errors, start_update, num_updates):
-    """This host's actor threads, each with its own bounded queue (read by the learner in a fixed order)."""
-    queues = [queue.Queue(maxsize=1) for _ in range(len(layout.actor_devices) * args.num_actor_threads)]
-    devices = [d for d in layout.actor_devices for _ in range(args.num_actor_threads)]
-    first = jax.process_index() * len(queues)  # global thread indices: env seeds differ across hosts
-    threads = [threading.Thread(target=actor_thread, name=f"actor{first + i}", daemon=True, args=(
-        stop, errors, args, first + i, device, layout.learner_devices, store, q, start_update, num_updates))
-        for i, (device, q) in enumerate(zip(devices, queues))]
-    for t in threads:
-        t.start()
-    return queues, threads
+def initial_state(args, env, layout, batch):
+    """The TrainState on every learner device of every host, fresh or --resume's, and the update it starts after."""
+    init = partial(init_state, jax.random.PRNGKey(args.seed), args, env, args.total_timesteps // batch)
+    template = {"state": jax.eval_shape(init), "update": np.int64(0), "global_step": np.int64(0)}
+    ckpt = load(args, template, batch, "a checkpoint of sebulba_ppo_atari.py?") if args.resume else None
+    replicated = NamedSharding(layout.mesh, P())
+    state = jax.tree.map(lambda a: jax.make_array_from_callback(a.shape, replicated, lambda i: a[i]),
+                         ckpt["state"] if ckpt else jax.device_get(init()))
+    return state, int(ckpt["update"]) if ckpt else 0
 
 
-# ---- Plumbing: the same text in all four scripts (tests/test_plumbing.py keeps it so) ----
-# Not the algorithm: flag checks, joining a multi-host run, the run folder, stop signals,
-# checkpoints, metrics rows and the progress line. Read once, skip in the other files; what
-# differs between the scripts comes in as arguments.
+# ---- This script's flags ------------------------------------------------------------------
 
-def fail(message):
-    """Bad input: one line on stderr and exit status 2, before anything is compiled."""
-    print(f"error: {message}", file=sys.stderr, flush=True)
-    sys.exit(2)
-
-
-def flag(name):
-    return "--" + name.replace("_", "-")
-
-
-def check_flags(args, counts=(), unit=(), positive=(), nonnegative=()):
-    """Counts at least 1; floats finite and in range (`unit`: [0, 1], `positive`: > 0,
-    `nonnegative`: >= 0); a --resume file that exists."""
-    for name in counts:
-        if getattr(args, name) < 1:
-            fail(f"{flag(name)} {getattr(args, name)} must be at least 1")
-    for names, ok, valid in ((unit, lambda x: 0 <= x <= 1, "in [0, 1]"), (positive, lambda x: x > 0, "above 0"),
-                             (nonnegative, lambda x: x >= 0, "at least 0")):
-        for name in names:
-            value = getattr(args, name)
-            if not (math.isfinite(value) and ok(value)):
-                fail(f"{flag(name)} {value} must be a finite number {valid}")
-    if args.resume is not None and not Path(args.resume).is_file():
-        fail(f"--resume {args.resume!r}: no such checkpoint file")
-
-
-def check_seed(seed, limit):
-    """Seeds in [0, limit) each give their own random numbers: JAX keeps a seed's low 32 bits
-    (limit 2**32), envpool takes int32 seeds (Sebulba: the seed plus each env's index < 2**31)."""
-    if not 0 <= seed < limit:
-        fail(f"--seed {seed} must be in 0..{limit - 1:,}: other seeds repeat these seeds' random numbers "
-             "or are refused by the environments")
-
-
-def start_distributed(args):
-    """Join a multi-host run (jax.distributed) if --distributed is given. A dead peer ends the
-    others within two minutes (`lost_peer`, `watch_peers`)."""
-    given = [flag(name) for name in ("coordinator_address", "num_processes", "process_id")
-             if getattr(args, name) is not None]
-    if not args.distributed:
-        if given:
-            fail(f"{', '.join(given)} only apply to a multi-host run: add --distributed")
-        return
-    if args.num_processes is not None and args.num_processes < 1:
-        fail(f"--num-processes {args.num_processes} must be at least 1")
-    if None not in (args.num_processes, args.process_id) and not 0 <= args.process_id < args.num_processes:
-        fail(f"--process-id {args.process_id} must be in 0..{args.num_processes - 1} (--num-processes "
-             f"{args.num_processes})")
-    # JAX's preemption service would take SIGTERM from `catch_stop_signals`; `stop_signal` does its job.
-    jax.config.update("jax_enable_preemption_service", False)
-    try:
-        # JAX's heartbeat (150 s here) only ends the run if `watch_peers` (at most 120 s) has not.
-        jax.distributed.initialize(args.coordinator_address, args.num_processes, args.process_id,
-                                   heartbeat_timeout_seconds=150)
-    except (ValueError, TypeError, RuntimeError) as e:
-        fail(f"--distributed: {str(e).splitlines()[0]} (outside a cluster JAX detects (SLURM, Cloud TPU, "
-             "Kubernetes), give --coordinator-address, --num-processes and --process-id)")
+def check_args(args):
+    """Flag checks that need no device; returns the args and the env's EnvInfo."""
+    env = describe_env(args.env_id, args.machado)
+    check_flags(args, unit=("gamma", "gae_lambda"), positive=("learning_rate",))
+    return args, env
 
 
 def check_fits(num_bytes, what):
@@ -777,195 +728,25 @@ def check_fits(num_bytes, what):
         fail(f"{what} would need {num_bytes / 2**30:,.1f} GiB, more than this host's {memory / 2**30:,.1f} GiB")
 
 
-class Run(NamedTuple):
-    folder: Path | None  # process 0 only: the other processes write nothing
-    writer: SummaryWriter | None
-    checkpoint: Path | None
-
-
-def open_run(args):
-    """{run-dir}/{env}__{exp-name}__{seed}__{unix time}, flat for namespaced ids. A run only writes into
-    a folder it created: a second run started in the same second gets the suffix _1, _2, ..."""
-    if jax.process_index() != 0:
-        return Run(None, None, None)
-    base = f"{args.env_id.replace(':', '_').replace('/', '_')}__{args.exp_name}__{args.seed}__{int(time.time())}"
-    folder, n = Path(args.run_dir) / base, 0
-    while True:
-        try:
-            folder.mkdir(parents=True)
-            break
-        except FileExistsError:
-            n += 1
-            folder = Path(args.run_dir) / f"{base}_{n}"
-        except OSError as e:
-            fail(f"--run-dir {args.run_dir!r}: cannot make a run folder in it ({e.strerror})")
-    (folder / "args.json").write_text(json.dumps(dataclasses.asdict(args), indent=2))
-    return Run(folder, SummaryWriter(str(folder)), folder / "checkpoint.npz")
-
-
-def catch_stop_signals():
-    """Ctrl-C (SIGINT) and SIGTERM (what SLURM and Kubernetes send before a kill) only note the
-    signal: the run stops at its next safe point, writes a checkpoint and exits 128 + the signal's
-    number (130, 143). Raising inside JAX or envpool could hang. A second signal exits at once."""
-    caught = []
-
-    def note(signum, _):
-        if caught:
-            os._exit(128 + signum)
-        caught.append(signum)
-
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, note)
-    return caught
-
-
-def stop_signal(caught):
-    """0 to go on, else the signal to stop for; the same on every process of a multi-host run (the
-    largest caught anywhere), so that every process stops after the same update."""
-    mine = caught[0] if caught else 0
-    if jax.process_count() == 1:
-        return mine
-    return int(np.max(multihost_utils.process_allgather(np.int32(mine))))
-
-
-def flat(tree):
-    """{key path: leaf}: the names of a checkpoint's arrays."""
-    return {jax.tree_util.keystr(path, simple=True, separator="/"): leaf
-            for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
-
-
-def save(path, tree):
-    """Write host arrays to `path` (None: not process 0) through a temporary file moved into place,
-    so a crash or a kill never leaves a torn checkpoint."""
-    if path is None:
-        return
-    tmp = path.with_name("checkpoint.tmp.npz")
-    np.savez(tmp, **flat(tree))
-    os.replace(tmp, path)
-
-
-def load(path, template, num_updates, hint):
-    """The checkpoint at `path` as host arrays shaped like `template` (a dict with an "update" count).
-    Unreadable files, other runs' checkpoints (`hint`: which flags must match) and runs already at
-    this run's last update are one error line."""
-    try:
-        with np.load(path, allow_pickle=False) as f:
-            arrays = dict(f)
-    except Exception as e:  # empty, truncated, random bytes, pickled
-        fail(f"--resume {path!r} is not a readable checkpoint ({type(e).__name__}: {str(e).splitlines()[0]})")
-    names = flat(template)
-    for name, like in names.items():
-        got = arrays.get(name)
-        if got is None or got.shape != like.shape or got.dtype != like.dtype:
-            found = "missing" if got is None else f"{got.dtype}{list(got.shape)}"
-            fail(f"--resume {path!r} does not match this run: {name} is {found}, expected "
-                 f"{like.dtype}{list(like.shape)} ({hint})")
-    tree = jax.tree.unflatten(jax.tree.structure(template), [arrays[name] for name in names])
-    if tree["update"] >= num_updates:
-        fail(f"--resume {path!r} is at update {int(tree['update'])}, the end of a {num_updates}-update run: "
-             "raise --total-timesteps to go on")
-    return tree
-
-
-def on_disk(run):
-    """What a stopping run leaves behind, said exactly."""
-    if run.folder is None:
-        return "process 0 writes this run's checkpoints"
-    if not run.checkpoint.is_file():
-        return f"no checkpoint was written yet ({run.folder} holds args.json and the metrics)"
-    with np.load(run.checkpoint) as f:
-        return f"the checkpoint {run.checkpoint} holds update {int(f['update'])}: go on with --resume {run.checkpoint}"
-
-
-def close(run):
-    if run.writer is not None:
-        run.writer.close()
-
-
-def exit_now(code, run):
-    """Close the logs and end the process without the interpreter's shutdown, which could wait on a
-    thread inside envpool or XLA, or on a dead peer (jax.distributed's shutdown barrier)."""
-    close(run)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
-def stopped(signum, update, run):
-    print(f"stopped by {signal.Signals(signum).name} after update {update}: {on_disk(run)}", flush=True)
-    exit_now(128 + signum, run)
-
-
-def check_finite(losses, update, run):
-    """Stop the run (exit status 1) at a NaN or infinite loss, saying which checkpoint is on disk."""
-    bad = {name: value for name, value in losses.items() if not math.isfinite(value)}
-    if bad:
-        print(f"error: non-finite loss at update {update} ({bad}); {on_disk(run)}", file=sys.stderr, flush=True)
-        exit_now(1, run)
-
-
-def lost_peer(error, run):
-    """Multi-host: a collective failed, nearly always because another process died. One line, then exit:
-    a normal exit would wait for the dead peer at jax.distributed's shutdown and abort 100 s later."""
-    print(f"error: lost contact with another process of this {jax.process_count()}-process run "
-          f"({str(error).splitlines()[0]}); {on_disk(run)} on every process", file=sys.stderr,
-          flush=True)
-    exit_now(1, run)
-
-
-def watch_peers(run):
-    """Multi-host: a collective whose peer died often fails at once (`lost_peer`), but it can also
-    block until JAX's heartbeat aborts the process with a C++ stack. From the end of the first log
-    interval on, a thread ends the run with one line when `beat` (called at each safe point) goes
-    quiet for 3 times the longest interval so far, at least 60 s and at most 120 s."""
-    beats = [0, time.monotonic(), 0.0]  # calls so far, time of the last one, longest interval
-
-    def beat():
-        now = time.monotonic()
-        longest = max(beats[2], now - beats[1]) if beats[0] >= 1 else 0.0
-        beats[:] = [beats[0] + 1, now, longest]
-
-    def limit():
-        return min(120.0, max(60.0, 3 * beats[2]))
-
-    def watch():
-        while beats[0] < 2 or time.monotonic() - beats[1] < limit():
-            time.sleep(1)
-        print(f"error: no progress for {limit():.0f} s in this {jax.process_count()}-process run: another process "
-              f"has probably died; {on_disk(run)} on every process", file=sys.stderr, flush=True)
-        exit_now(1, run)
-
-    if jax.process_count() > 1:
-        threading.Thread(target=watch, daemon=True).start()
-    return beat
-
-
-def duration(seconds):
-    minutes, seconds = divmod(int(seconds), 60)
-    return f"{minutes // 60}h{minutes % 60:02d}m" if minutes >= 60 else f"{minutes}m{seconds:02d}s"
-
-
-def log(run, row, update, num_updates, total_steps, eta):
-    """A metrics row (CleanRL's names) to metrics.jsonl and TensorBoard, and the progress line; process 0."""
-    if run.folder is None:
-        return
-    with open(run.folder / "metrics.jsonl", "a") as f:
-        f.write(json.dumps(row) + "\n")
-    for name, value in row.items():
-        if "/" in name:
-            run.writer.add_scalar(name, value, row["global_step"])
-    step, ret = row["global_step"], row.get("charts/episodic_return")
-    print(f"update {update}/{num_updates} | step {step:,}/{total_steps:,} ({step / total_steps:.0%}) | "
-          f"SPS {row['charts/SPS']:,.0f} | return {'-' if ret is None else f'{ret:.2f}'} | ETA {duration(eta)}",
-          flush=True)
-
-
-def checksum(params):
-    """sha256 of this host's copy of the parameters in key-path order: equal runs, equal hosts, equal sums."""
-    digest = hashlib.sha256()
-    for leaf in flat(params).values():
-        digest.update(np.ascontiguousarray(leaf.addressable_data(0) if isinstance(leaf, jax.Array) else leaf).tobytes())
-    return digest.hexdigest()
+def check_sizes(args, layout, env):
+    """Counts that must divide or fit; returns the steps of one update."""
+    n_learners = len(layout.learner_devices)
+    if args.local_num_envs % n_learners:
+        fail(f"--local-num-envs {args.local_num_envs} must divide evenly across {n_learners} learner devices")
+    check_seed(args.seed, 2**31 - layout.num_envs + 1)  # env i of the run is seeded with seed + i
+    # Each actor thread holds a rollout it collects, one in its queue and one being learned from.
+    threads = len(layout.actor_devices) * args.num_actor_threads
+    obs_bytes = np.prod(env.obs_shape)  # uint8 frames
+    check_fits(3 * threads * (args.num_steps + 1) * args.local_num_envs * obs_bytes,
+               f"the rollouts of {threads} actor threads x --local-num-envs {args.local_num_envs}")
+    batch = args.num_steps * layout.num_envs
+    if (batch // layout.mesh.size) % args.num_minibatches:
+        fail(f"--num-minibatches {args.num_minibatches} must divide the {batch // layout.mesh.size} samples "
+             "on each learner (--num-steps x envs per learner)")
+    if args.total_timesteps < batch:
+        fail(f"--total-timesteps {args.total_timesteps} is less than one update ({batch:,} steps = "
+             f"--num-steps {args.num_steps} x {layout.num_envs} envs)")
+    return batch
 
 
 # ---- The run: actor threads feed the learner (main thread) through bounded queues ---------
@@ -975,47 +756,232 @@ def main(args):
     args, env = check_args(args)
     start_distributed(args)
     layout = pick_devices(args)
-    num_updates = check_sizes(args, layout, env)
-    key = jax.random.PRNGKey(args.seed)
-    start_update = 0
-    init = partial(init_state, args=args, env=env, num_updates=num_updates)
-    if args.resume:  # checked against this run's shapes before anything compiles
-        template = {"state": jax.eval_shape(init, key), "update": np.int64(0), "global_step": np.int64(0)}
-        ckpt = load(args.resume, template, num_updates, "same --env-id?")
-        host_state, start_update = ckpt["state"], int(ckpt["update"])
-    else:
-        host_state = jax.device_get(init(key))
+    batch = check_sizes(args, layout, env)
+    num_updates = args.total_timesteps // batch
+    state, first = initial_state(args, env, layout, batch)
     run = open_run(args)
-    replicated = NamedSharding(layout.mesh, P())  # on every learner device of every host
-    state = jax.tree.map(lambda a: jax.make_array_from_callback(a.shape, replicated, lambda i: a[i]), host_state)
     stop, store, errors = threading.Event(), ParamStore(), []
-    store.publish(start_update, to_actors(state.params, layout))
-    queues, threads = start_actors(args, layout, store, stop, errors, start_update, num_updates)
-    print(f"{args.env_id}: {num_updates} updates of {args.num_steps * layout.num_envs:,} steps; actor devices "
-          f"{[d.id for d in layout.actor_devices]} x {args.num_actor_threads} threads x {args.local_num_envs} envs; "
-          f"learner devices {[d.id for d in layout.learner_devices]} ({layout.mesh.size} on {jax.process_count()} "
-          "host(s))", flush=True)
-    loop = Loop(layout, make_update(args, layout.mesh, num_updates), queues, store, stop, caught, run)
+    store.publish(first, to_actors(state.params, layout))
+    queues, threads = start_actors(args, layout, store, stop, errors, first, num_updates)
+    say(f"{args.env_id}: {num_updates - first} updates of {batch:,} steps; actor devices "
+        f"{[d.id for d in layout.actor_devices]} x {args.num_actor_threads} threads x {args.local_num_envs} envs; "
+        f"learner devices {[d.id for d in layout.learner_devices]} ({layout.mesh.size} on {jax.process_count()} "
+        "host(s))")
+    loop = Loop(layout, make_update(args, layout.mesh, num_updates), queues, store, stop, caught, run, first,
+                num_updates, batch, time.perf_counter())
     try:
-        state, update, row, signum = learn(args, loop, state, start_update, num_updates)
-    except jax.errors.JaxRuntimeError as e:
-        if jax.process_count() == 1:
-            raise
-        lost_peer(e, run)
+        state, row = learn(args, loop, state)
     except Stopped:  # an actor thread failed: its traceback, then exit status 1
-        print("".join(errors), file=sys.stderr, flush=True)
-        exit_now(1, run)
+        exit_now(1, run, "".join(errors).rstrip())
     finally:
         stop.set()  # the actor threads end
     for t in threads:
         t.join(timeout=10)
-    checkpoint(run, state, update, layout, args)
-    if signum:
-        stopped(signum, update, run)
-    close(run)
+    checkpoint(args, loop, state, num_updates)
     row["checksum"] = checksum(state.params)
-    print(f"checksum {row['checksum']}", flush=True)
+    say(f"checksum {row['checksum']}")
     return row
+
+
+# ---- Plumbing: the same text in all four scripts (tests/test_plumbing.py keeps it so) ----
+# Not the algorithm: flag checks, multi-host start, run folder, signals, checkpoints, logs. Skip it.
+
+def fail(message):
+    """Bad input: one line on stderr and exit status 2, before anything is compiled."""
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+def check_flags(args, unit=(), positive=()):
+    """Counts in 1..2**31 - 1 (steps: 2**62 - 1), floats finite and >= 0 (`positive` > 0, `unit` <= 1), --resume."""
+    for name, value in dataclasses.asdict(args).items():
+        top = 2**62 if name == "total_timesteps" else 2**31
+        if type(value) is int and name not in ("seed", "num_processes", "process_id") and not 1 <= value < top:
+            fail(f"--{name.replace('_', '-')} {value} must be in 1..{top - 1:,}")
+        if type(value) is float:
+            ok = value <= 1 if name in unit else value > 0 if name in positive else True
+            if not (math.isfinite(value) and value >= 0 and ok):
+                valid = "in [0, 1]" if name in unit else "above 0" if name in positive else "at least 0"
+                fail(f"--{name.replace('_', '-')} {value} must be a finite number {valid}")
+    if args.resume is not None and not Path(args.resume).is_file():
+        fail(f"--resume {args.resume!r}: no such checkpoint file")
+
+
+def check_seed(seed, limit):
+    """Seeds with random numbers of their own: JAX keeps 32 bits, envpool int32 seeds (seed + env index)."""
+    if not 0 <= seed < limit:
+        fail(f"--seed {seed} must be in 0..{limit - 1:,}: other seeds repeat these seeds' random numbers "
+             "or are refused by the environments")
+
+
+def start_distributed(args):
+    """With --distributed, join a multi-host run (if a process dies, JAX's heartbeat ends the others)."""
+    given = [n for n in ("coordinator_address", "num_processes", "process_id") if getattr(args, n) is not None]
+    if given and not args.distributed:
+        given = ", ".join("--" + n.replace("_", "-") for n in given)
+        fail(f"{given} only apply to a multi-host run: add --distributed")
+    if args.distributed:
+        jax.config.update("jax_enable_preemption_service", False)  # it would take SIGTERM from us
+        try:
+            jax.distributed.initialize(args.coordinator_address, args.num_processes, args.process_id)
+        except (ValueError, TypeError, RuntimeError) as e:
+            fail(f"--distributed: {str(e).splitlines()[0]} (outside a cluster JAX detects (SLURM, Cloud TPU, "
+                 "Kubernetes), give --coordinator-address, --num-processes and --process-id)")
+
+
+class Run(NamedTuple):
+    folder: Path | None  # process 0 only: the other processes write nothing
+    events: EventsWriter | None  # TensorBoard's, written by this thread so that a failure is seen
+    checkpoint: Path | None
+
+
+def open_run(args):
+    """A new folder {run-dir}/{env}__{exp-name}__{seed}__{unix time}[_1, _2, ...], its name made flat."""
+    if jax.process_index() != 0:
+        return Run(None, None, None)
+    name = "__".join(str(s).replace(":", "_").replace("/", "_") for s in (args.env_id, args.exp_name, args.seed))
+    base = Path(args.run_dir) / f"{name}__{int(time.time())}"
+    for folder in (base.with_name(f"{base.name}_{n}") if n else base for n in itertools.count()):
+        try:
+            folder.mkdir(parents=True)
+            (folder / "args.json").write_text(json.dumps(dataclasses.asdict(args), indent=2))
+            return Run(folder, EventsWriter(str(folder / "events")), folder / "checkpoint.npz")
+        except FileExistsError:
+            pass
+        except OSError as e:
+            blame = f"--exp-name {args.exp_name!r}" if e.errno == errno.ENAMETOOLONG else f"--run-dir {args.run_dir!r}"
+            fail(f"{blame}: cannot make the run folder {folder} ({e.strerror})")
+
+
+def catch_stop_signals():
+    """SIGINT (Ctrl-C), SIGTERM (SLURM, Kubernetes) and SIGHUP (a closed terminal) are only noted, as raising
+    inside JAX or envpool could hang; `safe_point` acts on them. A second signal exits at once."""
+    caught = []
+
+    def note(signum, _):
+        if caught:
+            os._exit(128 + signum)
+        caught.append(signum)
+
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, note)
+    return caught
+
+
+def safe_point(caught, update, run, checkpoint, due):
+    """Between updates: `checkpoint()` if `due`; on a signal caught by any process, checkpoint and exit (all)."""
+    signum = caught[0] if caught else 0
+    if jax.process_count() > 1:
+        signum = int(np.max(multihost_utils.process_allgather(np.int32(signum))))
+    if signum or due:
+        checkpoint()
+    if signum:
+        exit_now(128 + signum, run, f"stopped by {signal.Signals(signum).name} after update {update}")
+
+
+def flat(tree):
+    return {jax.tree_util.keystr(path, simple=True, separator="/"): leaf
+            for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def save(run, tree, args):
+    """Host arrays and the run's flags to a temporary file moved into place: never a torn checkpoint."""
+    if run.checkpoint is not None:
+        tmp = run.checkpoint.with_name("checkpoint.tmp.npz")
+        try:
+            np.savez(tmp, **flat(tree), args=json.dumps(dataclasses.asdict(args)))
+            os.replace(tmp, run.checkpoint)
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
+            exit_now(1, run, f"error: cannot write {tmp} ({e.strerror or e})")
+
+
+def load(args, template, batch, hint):
+    """The --resume checkpoint's arrays if its run had these flags, shapes (`hint`), steps per update and budget."""
+    try:
+        with np.load(args.resume, allow_pickle=False) as f:
+            arrays = dict(f)
+    except Exception as e:  # empty, truncated, random bytes, pickled
+        fail(f"--resume {args.resume!r} is not a readable checkpoint ({type(e).__name__}: {str(e).splitlines()[0]})")
+    for name, like in flat(template).items():
+        got = arrays.get(name)
+        if got is None or got.shape != like.shape or got.dtype != like.dtype:
+            found = "missing" if got is None else f"{got.dtype}{list(got.shape)}"
+            fail(f"--resume {args.resume!r} does not match this run: {name} is {found}, expected {like.dtype}"
+                 f"{list(like.shape)} ({hint})")
+    if "args" not in arrays:
+        fail(f"--resume {args.resume!r} does not match this run: it records no flags ({hint})")
+    saved, now = json.loads(str(arrays["args"])), json.loads(json.dumps(dataclasses.asdict(args)))
+    free = ("total_timesteps", "log_every", "checkpoint_every", "run_dir", "exp_name", "resume", "distributed",
+            "coordinator_address", "num_processes", "process_id")
+    for name in [n for n in now if n not in free and saved.get(n) != now[n]]:
+        fail(f"--resume {args.resume!r} comes from a run with --{name.replace('_', '-')} {saved.get(name)}, not "
+             f"{now[name]} (a resumed run may change only the budget, logging, checkpoint and folder flags)")
+    if arrays["global_step"] != arrays["update"] * batch:
+        fail(f"--resume {args.resume!r} comes from a run whose updates were not of {batch:,} steps (another number "
+             "of hosts?)")
+    if arrays["update"] >= args.total_timesteps // batch:
+        fail(f"--resume {args.resume!r} is at update {int(arrays['update'])} of a --total-timesteps "
+             f"{args.total_timesteps:,} run: raise --total-timesteps to go on")
+    return jax.tree.unflatten(jax.tree.structure(template), [arrays[name] for name in flat(template)])
+
+
+def exit_now(code, run, line):
+    """Say `line` and what is on disk; exit at once (a normal exit could wait on envpool, XLA or a dead peer)."""
+    if run.folder is None:
+        line += "; process 0 holds the checkpoints"
+    else:
+        try:
+            with np.load(run.checkpoint) as f:
+                line += f"; the checkpoint {run.checkpoint} holds update {int(f['update'])}: --resume it to go on"
+        except OSError:
+            line += f"; no checkpoint is in {run.folder}"
+        with contextlib.suppress(OSError):
+            run.events.close()
+    with contextlib.suppress(OSError):  # a closed stdout or stderr
+        print(line, file=sys.stderr if code == 1 else sys.stdout, flush=True)
+    os._exit(code)
+
+
+def check_finite(losses, update, run):
+    if bad := {name: value for name, value in losses.items() if not math.isfinite(value)}:
+        exit_now(1, run, f"error: non-finite loss at update {update} ({bad})")
+
+
+def say(line):
+    """Print to stdout; once stdout is closed (`| head`), training goes on without it."""
+    try:
+        print(line, flush=True)
+    except OSError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
+def log(run, row, num_updates, total_steps, eta):
+    """A metrics row (CleanRL's names) to metrics.jsonl and TensorBoard, and the progress line (process 0)."""
+    if run.folder is None:
+        return
+    step, ret = row["global_step"], row.get("charts/episodic_return")
+    try:
+        with open(run.folder / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(row) + "\n")
+        for name in [name for name in row if "/" in name]:
+            run.events.write_event(Event(wall_time=time.time(), step=step, summary=scalar(name, row[name])))
+        run.events.flush()
+    except OSError as e:
+        exit_now(1, run, f"error: cannot write the metrics in {run.folder} ({e.strerror or e})")
+    minutes = int(eta) // 60
+    eta = f"{minutes // 60}h{minutes % 60:02d}m" if minutes >= 60 else f"{minutes}m{int(eta) % 60:02d}s"
+    say(f"update {row['update']}/{num_updates} | step {step:,}/{total_steps:,} ({step / total_steps:.0%}) | "
+        f"SPS {row['charts/SPS']:,.0f} | return {'-' if ret is None else f'{ret:.2f}'} | ETA {eta}")
+
+
+def checksum(params):
+    """sha256 of this host's copy of the parameters in key-path order: equal runs, equal hosts, equal sums."""
+    digest = hashlib.sha256()
+    for leaf in jax.tree.leaves(params):  # in key-path order
+        digest.update(np.ascontiguousarray(leaf.addressable_data(0) if isinstance(leaf, jax.Array) else leaf).tobytes())
+    return digest.hexdigest()
 
 
 if __name__ == "__main__":

@@ -9,15 +9,16 @@ import time
 import numpy as np
 import pytest
 
-from conftest import ROOT, checksum, error_line, load, run, run_two_hosts, spawn
+from conftest import ROOT, checksum, error_line, interrupt_a_hung_run, load, run, run_two_hosts, spawn
 
 SCRIPT = "sebulba_impala.py"
 MINATAR = "tests.minatar_envs:MinAtar/Breakout-v1"  # tests/minatar_envs.py registers MinAtar's ids
 
 # Environments registered by the tests, imported by the script through `test_envs:Name-v0`.
 # Every episode of Fixed lasts 7 steps and scores 7; Crash raises inside an actor thread
-# after 40 steps; NanReward hands the learner a NaN reward after 40 steps. The last two
-# write the time of their first fault so a test can bound how long the run takes to end after it.
+# after 40 steps; NanReward hands the learner a NaN reward after 40 steps; Hang's step never returns
+# after 40 steps. These three write the time of their first fault so a test can bound how long the
+# run takes to end after it. FromOne numbers its two actions 1 and 2.
 TEST_ENVS = '''
 import time
 import gymnasium as gym
@@ -43,6 +44,8 @@ class Fixed(gym.Env):
                     f.write(repr(time.time()))
             if self.fault == "crash":
                 raise RuntimeError("injected actor fault")
+            if self.fault == "hang":
+                time.sleep(3600)
             reward = float("nan")
         return np.full(3, self.t / 7, np.float32), reward, self.t == 7, False, {}
 
@@ -55,7 +58,17 @@ class NanReward(Fixed):
     fault = "nan"
 
 
+class Hang(Fixed):
+    fault = "hang"
+
+
+class FromOne(Fixed):
+    action_space = gym.spaces.Discrete(2, start=1)
+
+
 gym.register("Fixed-v0", entry_point=Fixed)
+gym.register("Hang-v0", entry_point=Hang)
+gym.register("FromOne-v0", entry_point=FromOne)
 gym.register("Crash-v0", entry_point=Crash)
 gym.register("NanReward-v0", entry_point=NanReward)
 '''
@@ -257,7 +270,7 @@ def test_episode_scores_are_unclipped_and_span_the_whole_game(impala):
     envs = impala.make_envs(args, n, 3)
     state = impala.ActorState(impala.env_reset(envs), jax.random.PRNGKey(1), np.zeros(n, bool), np.zeros(n),
                               np.zeros(n, int))
-    rollout, _, returns, lengths, _ = impala.collect(envs, params, state, steps)
+    rollout, _, stats = impala.collect(envs, params, state, steps)
     replay = envpool.make(args.env_id, env_type="gymnasium", num_envs=n, seed=3, **impala.atari_kwargs(False))
     replay.reset()
     score, clipped, life_losses, games = np.zeros(n), np.zeros(n), np.zeros(n, int), []
@@ -268,8 +281,8 @@ def test_episode_scores_are_unclipped_and_span_the_whole_game(impala):
         life_losses += terminated & ~over
         games += [(score[b], info["elapsed_step"][b], clipped[b], life_losses[b]) for b in np.flatnonzero(over)]
         score[over], clipped[over], life_losses[over] = 0, 0, 0
-    assert len(games) >= 2 and sorted(returns) == sorted(g[0] for g in games)
-    assert sorted(lengths) == sorted(g[1] for g in games)  # agent steps of the whole game
+    assert len(games) >= 2 and sorted(stats.returns) == sorted(g[0] for g in games)
+    assert sorted(stats.lengths) == sorted(g[1] for g in games)  # agent steps of the whole game
     for true_score, _, clipped_score, lives_lost in games:
         assert true_score > clipped_score and lives_lost == 2  # unclipped; one game = all three lives
 
@@ -398,8 +411,15 @@ def test_a_failing_thread_or_a_nan_ends_the_run_quickly(tmp_path, envs_path, env
     if "Crash" in env_id:
         assert "injected actor fault" in result.output
     else:
-        assert "Traceback" not in result.output and "no checkpoint was written yet" in result.output
+        assert "Traceback" not in result.output and "no checkpoint is in" in result.output
     assert ended - float((tmp_path / "fault_time").read_text()) < 30
+
+
+def test_ctrl_c_while_the_learner_waits_on_a_hung_env_stops_within_seconds(tmp_path, envs_path):
+    flags = ["--env-id", "test_envs:Hang-v0", "--local-num-envs", 2, "--num-steps", 4, "--num-actor-threads", 1,
+             "--log-every", 1, "--total-timesteps", 10**6, "--run-dir", tmp_path / "runs"]
+    update, took = interrupt_a_hung_run(spawn(SCRIPT, flags, tmp_path, env=envs_path), tmp_path)
+    assert took < 10 and update >= 5
 
 
 def test_ctrl_c_writes_a_loadable_checkpoint_and_resume_continues_from_it(tmp_path):
@@ -430,6 +450,14 @@ def test_ctrl_c_writes_a_loadable_checkpoint_and_resume_continues_from_it(tmp_pa
 # --- Bad input --------------------------------------------------------------------------------
 
 
+def test_the_deep_default_on_cpus_names_the_shallow_network_once_and_only_then(impala, capsys):
+    impala.check_args(impala.Args(env_id="Breakout-v5"))
+    assert capsys.readouterr().out.count("--network shallow") == 1
+    for args in (impala.Args(env_id="Breakout-v5", network="deep"), impala.Args(env_id="CartPole-v1")):
+        impala.check_args(args)
+        assert capsys.readouterr().out == ""
+
+
 def mismatched_checkpoint(tmp_path):
     path = tmp_path / "other.npz"
     np.savez(path, **{"state/params/policy/w": np.zeros((3, 3))})
@@ -439,6 +467,8 @@ def mismatched_checkpoint(tmp_path):
 @pytest.mark.parametrize("devices,flags,flag", [
     (1, ["--env-id", "Breakout-v55"], "--env-id"),
     (1, ["--env-id", "Pendulum-v1"], "--env-id"),
+    (1, ["--env-id", "../x:Foo-v0"], "--env-id"),
+    (1, ["--env-id", "test_envs:FromOne-v0"], "--env-id"),
     (1, ["--env-id", "CartPole-v1", "--machado"], "--machado"),
     (1, ["--env-id", "CartPole-v1", "--network", "shallow"], "--network"),
     (1, ["--env-id", MINATAR, "--network", "shallow"], "--network"),
@@ -448,12 +478,12 @@ def mismatched_checkpoint(tmp_path):
     (1, ["--env-id", "CartPole-v1", "--total-timesteps", 100], "--total-timesteps"),
     (1, ["--env-id", "CartPole-v1", "--resume", "missing.npz"], "--resume"),
     (1, ["--env-id", "CartPole-v1", "--resume", mismatched_checkpoint], "--resume"),
-], ids=["unknown-env", "continuous-actions", "machado-not-atari", "shallow-vectors", "shallow-10x10",
+], ids=["unknown-env", "continuous-actions", "relative-module", "actions-from-1", "machado-not-atari", "shallow-vectors", "shallow-10x10",
         "device-out-of-range", "device-reused",
         "envs-not-divisible", "budget-below-one-update", "missing-checkpoint", "mismatched-checkpoint"])
-def test_bad_input_is_one_error_line_naming_the_flag(tmp_path, devices, flags, flag):
+def test_bad_input_is_one_error_line_naming_the_flag(tmp_path, envs_path, devices, flags, flag):
     flags = [f(tmp_path) if callable(f) else f for f in flags]
-    line = error_line(run(SCRIPT, flags, tmp_path, devices=devices, timeout=120))
+    line = error_line(run(SCRIPT, flags, tmp_path, devices=devices, timeout=120, env=envs_path))
     assert line.startswith(f"error: {flag} ")
     if "Breakout-v55" in flags:
         assert "Breakout-v5" in line  # close matches suggested

@@ -9,7 +9,7 @@ from functools import partial
 import numpy as np
 import pytest
 
-from conftest import ROOT, checksum, error_line, load, run, run_two_hosts, spawn
+from conftest import ROOT, checksum, error_line, interrupt_a_hung_run, load, run, run_two_hosts, spawn
 
 SCRIPT = "sebulba_ppo_atari.py"
 # A tiny Breakout run: 8 steps x 4 envs per actor thread, one epoch of two minibatches.
@@ -190,7 +190,7 @@ def test_collect_returns_unclipped_whole_game_scores_and_marks_autoreset_steps(p
     params = ppo.init_params(jax.random.PRNGKey(0), (4, 84, 84), 4)
     envs = ppo.make_envs(args, 2, seed=7)
     state = ppo.ActorState(ppo.env_reset(envs), jax.random.PRNGKey(1), np.zeros(2, bool), np.zeros(2), np.zeros(2, int))
-    rollout, _, returns, lengths, _ = ppo.collect(envs, params, state, 600)
+    rollout, _, stats = ppo.collect(envs, params, state, 600)
 
     replay = ppo.make_envs(args, 2, seed=7)
     replay.reset()
@@ -205,8 +205,8 @@ def test_collect_returns_unclipped_whole_game_scores_and_marks_autoreset_steps(p
         scores += score[over].tolist()
         score[over], prev_done = 0, term | trunc
     assert len(scores) >= 2 and life_losses >= 2, (scores, life_losses)  # games spanning several lives
-    assert sorted(returns) == sorted(scores)
-    assert len(lengths) == len(returns) and min(lengths) > 20
+    assert sorted(stats.returns) == sorted(scores)
+    assert len(stats.lengths) == len(stats.returns) and min(stats.lengths) > 20
 
 
 def test_machado_envs_reset_and_step(ppo):
@@ -221,7 +221,7 @@ def test_machado_envs_reset_and_step(ppo):
 def test_run_folder_is_one_flat_folder_for_namespaced_env_ids(ppo, tmp_path):
     for env_id, name in (("ALE/Pong-v5", "ALE_Pong-v5__sebulba_ppo_atari__1__"), ("ns:Pong-v5", "ns_Pong-v5__")):
         run = ppo.open_run(ppo.Args(env_id=env_id, run_dir=str(tmp_path)))
-        run.writer.close()
+        run.events.close()
         assert run.folder.parent == tmp_path and run.folder.name.startswith(name)
 
 
@@ -328,6 +328,17 @@ def test_a_failing_thread_ends_the_run_with_its_traceback(tmp_path, patch, messa
     assert ended - float((tmp_path / "fault_time").read_text()) < 30  # the run ends within 30 s
 
 
+ENV_HANG = ENV_FAULT.replace('raise RuntimeError("injected env fault")', "time.sleep(3600)")
+
+
+def test_ctrl_c_while_the_learner_waits_on_a_hung_env_stops_within_seconds(tmp_path):
+    wrapper = tmp_path / "wrapper.py"
+    wrapper.write_text(WRAPPER.format(root=str(ROOT), patch=ENV_HANG))
+    proc = spawn(str(wrapper), [*TINY, "--total-timesteps", 100_000, "--run-dir", tmp_path / "runs"], tmp_path)
+    update, took = interrupt_a_hung_run(proc, tmp_path)
+    assert took < 10 and update >= 1
+
+
 def test_ctrl_c_writes_a_loadable_checkpoint_and_exits(tmp_path):
     args = [*TINY, "--total-timesteps", 1_000_000, "--run-dir", tmp_path / "runs"]
     proc = spawn(SCRIPT, args, tmp_path)
@@ -380,16 +391,12 @@ def test_resume_continues_from_the_checkpoint(tmp_path):
     assert first.returncode == 0, first.output[-3000:]
     ckpt = first.run_dir / "checkpoint.npz"
     assert params_digest(ckpt) == checksum(first.output)
-    # With a step size of 1e-30 the resumed run must end on the checkpoint's parameters (Adam's steps
-    # are about the step size, so only the zero-initialised biases move, by ~1e-30).
-    resumed = run(SCRIPT, [*TINY, "--total-timesteps", 128, "--resume", ckpt, "--learning-rate", 1e-30], tmp_path / "b")
+    resumed = run(SCRIPT, [*TINY, "--total-timesteps", 128, "--resume", ckpt], tmp_path / "b")
     assert resumed.returncode == 0, resumed.output[-3000:]
     assert [m["update"] for m in resumed.metrics] == [3, 4]
     assert resumed.metrics[0]["global_step"] == 96
     with np.load(ckpt) as before, np.load(resumed.run_dir / "checkpoint.npz") as after:
-        names = [n for n in before.files if n.startswith("state/params")]
-        assert names and names == [n for n in after.files if n.startswith("state/params")]
-        for n in names:
-            np.testing.assert_allclose(after[n], before[n], rtol=0, atol=1e-25, err_msg=n)
+        counts = [n for n in before.files if n.endswith("count")]  # Adam's steps so far
+        assert counts and all(int(after[n]) == 2 * int(before[n]) > 0 for n in counts)  # 2 updates, then 2 more
     again = run(SCRIPT, [*TINY, "--total-timesteps", 64, "--resume", ckpt], tmp_path / "c")
     assert "--resume" in error_line(again)
