@@ -3,8 +3,8 @@ running the PPO Atari recipe (Schulman et al. 2017; the CleanRL/Cleanba settings
 
 Environments run on the host CPU, so acting and learning run on separate devices: actor threads
 step their envs with a jitted policy; the learner, one `jit` + `shard_map` over the learner devices
-of every host, runs the update and sends new parameters back. Atari only (envpool `*-v5` ids); for
-other envs see sebulba_impala.py.
+of every host, runs the update and sends new parameters back. Any envpool or gymnasium id with
+image observations (Atari `*-v5` with the PPO paper's protocol); for vectors see sebulba_impala.py.
 
     host CPU (per host)                 actor device(s)              learner devices (all hosts)
     -------------------                 ---------------              ---------------------------
@@ -30,6 +30,7 @@ import dataclasses
 import difflib
 import errno
 import hashlib
+import importlib
 import itertools
 import json
 import math
@@ -41,7 +42,7 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass
-from functools import partial
+from functools import cache, partial
 from pathlib import Path
 from typing import NamedTuple
 
@@ -57,12 +58,13 @@ from tensorboardX.proto.event_pb2 import Event
 from tensorboardX.summary import scalar
 
 import envpool
+import gymnasium as gym
 
 
 @dataclass
 class Args:
     env_id: str = "Breakout-v5"
-    """an envpool Atari id ending in -v5 (other envs: sebulba_impala.py)"""
+    """an envpool id with images (Atari `*-v5`) or any gymnasium id (`module:Name-v0` imports `module` first)"""
     exp_name: str = Path(__file__).stem
     """experiment name, part of the run folder's name"""
     seed: int = 1
@@ -121,7 +123,7 @@ class Args:
     """index of this process (multi-host)"""
 
 
-# ---- The environment: envpool Atari, stepped on the host by the actor threads -------------
+# ---- The environment: stepped on the host by the actor threads (envpool or gymnasium) ------
 
 def atari_kwargs(machado):
     """The PPO paper's protocol: a lost life ends a training episode, rewards clipped to their
@@ -134,23 +136,43 @@ def atari_kwargs(machado):
 
 
 class EnvInfo(NamedTuple):
-    obs_shape: tuple  # images are [C, H, W], envpool's layout
+    obs_shape: tuple  # [C, H, W], envpool's layout
     num_actions: int
+    source: str  # "envpool" or "gymnasium"
+    atari: bool  # envpool Atari: the PPO paper's protocol; info["reward"] is the unclipped score
 
 
+@cache  # check_args calls it, then each actor thread's make_envs: one probe of the env per run
 def describe_env(env_id, machado):
-    """Check the id is an envpool Atari game before any env is stepped."""
-    specs = envpool.registration.registry.specs
-    atari = sorted(i for i, s in specs.items() if s[0] == "envpool.atari" and i.endswith("-v5"))
-    if env_id not in atari:
-        if env_id in specs:
-            fail(f"--env-id {env_id!r} is not an Atari -v5 game; this file trains Atari only "
-                 "(sebulba_impala.py runs any envpool or gymnasium env)")
-        close = difflib.get_close_matches(env_id, atari, n=3, cutoff=0.5)
-        fail(f"--env-id {env_id!r} is not an envpool Atari id"
-             + (f"; did you mean {', '.join(map(repr, close))}?" if close else "; e.g. 'Breakout-v5', 'Pong-v5'"))
-    spec = envpool.make_spec(env_id, **atari_kwargs(machado))
-    return EnvInfo(spec.observation_space.shape, spec.action_space.n)
+    """Find the id in envpool or gymnasium and check its spaces before any env is stepped."""
+    if env_id in envpool.list_all_envs():
+        spec = envpool.make_spec(env_id)
+        atari = hasattr(spec.config, "episodic_life")
+        if atari:
+            spec = envpool.make_spec(env_id, **atari_kwargs(machado))
+        obs_space, act_space, source = spec.observation_space, spec.action_space, "envpool"
+    else:
+        module, _, name = env_id.rpartition(":")
+        try:
+            importlib.import_module(module) if module else None
+        except (ImportError, TypeError) as err:  # TypeError: a relative name such as "../x"
+            fail(f"--env-id {env_id!r}: cannot import module {module!r} ({err})")
+        if name not in gym.registry:
+            close = difflib.get_close_matches(name, [*envpool.list_all_envs(), *gym.registry], n=3)
+            fail(f"--env-id {env_id!r}: unknown environment; close matches: {', '.join(close) or 'none'}")
+        probe = gym.make(name)  # gymnasium's spaces need an instance
+        obs_space, act_space, source, atari = probe.observation_space, probe.action_space, "gymnasium", False
+        probe.close()
+    if machado and not atari:
+        fail(f"--machado applies to Atari ids only, not {env_id!r}")
+    if not isinstance(act_space, gym.spaces.Discrete) or act_space.start != 0:
+        fail(f"--env-id {env_id!r} needs a discrete action space numbered from 0, not {act_space}")
+    if not isinstance(obs_space, gym.spaces.Box) or len(obs_space.shape) != 3:
+        fail(f"--env-id {env_id!r} needs image observations, not {obs_space} (vectors: sebulba_impala.py)")
+    shape = obs_space.shape
+    if source == "gymnasium":  # gymnasium images are [H, W, C]
+        shape = (shape[2], shape[0], shape[1])
+    return EnvInfo(tuple(shape), int(act_space.n), source, atari)
 
 
 class Step(NamedTuple):
@@ -162,26 +184,56 @@ class Step(NamedTuple):
     game_over: np.ndarray  # [E] the whole game ended (Atari: its last life) or was truncated
 
 
-def make_envs(args, num_envs, seed):
+class Envs(NamedTuple):
     """One actor thread's batch of envs."""
-    return envpool.make(args.env_id, env_type="gymnasium", num_envs=num_envs, seed=seed,
-                        num_threads=max(1, min(num_envs, os.cpu_count() or 1)), **atari_kwargs(args.machado))
+    pool: object  # an envpool batch or a gymnasium vector env
+    env: EnvInfo
+    seed: int
+
+
+def make_envs(args, num_envs, seed):
+    env = describe_env(args.env_id, args.machado)
+    if env.source == "envpool":
+        kwargs = atari_kwargs(args.machado) if env.atari else {}
+        pool = envpool.make(args.env_id, env_type="gymnasium", num_envs=num_envs, seed=seed,
+                            num_threads=max(1, min(num_envs, os.cpu_count() or 1)), **kwargs)
+    else:  # gymnasium's vector envs autoreset on the next step by default, like envpool
+        pool = gym.make_vec(args.env_id.rpartition(":")[2], num_envs=num_envs, vectorization_mode="sync")
+    return Envs(pool, env, seed)
+
+
+def host_obs(obs, env):
+    """envpool's layout and no float64: gymnasium images [E, H, W, C] -> [E, C, H, W]."""
+    if env.source == "gymnasium":
+        obs = np.moveaxis(obs, -1, 1)
+    return obs.astype(np.float32) if obs.dtype == np.float64 else obs
 
 
 def env_reset(envs):
     """The first observations [E, *obs_shape]."""
-    return envs.reset()[0]
+    obs, _ = envs.pool.reset() if envs.env.source == "envpool" else envs.pool.reset(seed=envs.seed)
+    return host_obs(obs, envs.env)
 
 
 def env_step(envs, actions):
-    obs, reward, terminated, truncated, info = envs.step(actions)
-    score, game_over = info["reward"], info["terminated"].astype(bool) | truncated  # the whole game's
-    return Step(obs, reward.astype(np.float32), terminated, terminated | truncated, score, game_over)
+    obs, reward, terminated, truncated, info = envs.pool.step(actions)
+    if envs.env.atari:
+        score, game_over = info["reward"], info["terminated"].astype(bool) | truncated  # the whole game's
+    else:
+        score, game_over = reward, terminated | truncated
+    return Step(host_obs(obs, envs.env), reward.astype(np.float32), terminated, terminated | truncated, score,
+                game_over)
 
 
-# ---- The network: Nature DQN CNN (Mnih et al. 2015), orthogonal init as in PPO ------------
+# ---- The network: a CNN, then a hidden layer and the two heads; orthogonal init as in PPO --
 
-CONVS = ((32, 8, 4), (64, 4, 2), (64, 3, 1))  # (channels, kernel, stride), "VALID" padding
+# The (channels, kernel, stride) of each "VALID" conv, and the hidden layer's width.
+NATURE = ((32, 8, 4), (64, 4, 2), (64, 3, 1)), 512  # Nature DQN (Mnih et al. 2015), for 84x84 frames
+MINATAR = ((16, 3, 1),), 128  # the MinAtar paper's (Young and Tian 2019), for its 10x10 images
+
+
+def layers(obs_shape):  # [C, H, W] -> the network that fits it: the Nature CNN needs 36x36 or more
+    return NATURE if min(obs_shape[1:]) >= 36 else MINATAR
 
 
 def dense_init(key, n_in, n_out, scale):
@@ -194,12 +246,13 @@ def conv_init(key, c_in, c_out, size):
 
 
 def init_params(key, obs_shape, num_actions):
-    keys, torso = iter(jax.random.split(key, len(CONVS) + 3)), {}  # one key per layer, the two heads included
+    convs, hidden = layers(obs_shape)
+    keys, torso = iter(jax.random.split(key, len(convs) + 3)), {}  # one key per layer, the two heads included
     c_in, (h, w) = obs_shape[0], obs_shape[1:]
-    for i, (c, size, stride) in enumerate(CONVS):
+    for i, (c, size, stride) in enumerate(convs):
         torso[f"conv{i}"] = conv_init(next(keys), c_in, c, size)
         c_in, h, w = c, (h - size) // stride + 1, (w - size) // stride + 1
-    torso["dense"], hidden = dense_init(next(keys), h * w * c_in, 512, np.sqrt(2)), 512
+    torso["dense"] = dense_init(next(keys), h * w * c_in, hidden, np.sqrt(2))
     return {"torso": torso, "policy": dense_init(next(keys), hidden, num_actions, 0.01),  # near-uniform first policy
             "value": dense_init(next(keys), hidden, 1, 1.0)}
 
@@ -219,9 +272,9 @@ def image_input(obs):  # [N, C, H, W] -> [N, H, W, C] float: uint8 frames scaled
 
 
 def apply(params, obs):
-    """obs [N, 4, 84, 84] -> (policy logits [N, A], value [N])."""
+    """obs [N, C, H, W] -> (policy logits [N, A], value [N])."""
     x, torso = image_input(obs), params["torso"]
-    for i, (_, _, stride) in enumerate(CONVS):
+    for i, (_, _, stride) in enumerate(layers(obs.shape[1:])[0]):
         x = jax.nn.relu(conv(torso[f"conv{i}"], x, stride, "VALID"))
     x = jax.nn.relu(dense(torso["dense"], x.reshape(x.shape[0], -1)))
     return dense(params["policy"], x), dense(params["value"], x)[:, 0]
@@ -293,7 +346,7 @@ def clipped_value_loss(values, old_values, returns, clip):
 
 class Samples(NamedTuple):
     """Flattened [N] learning samples on one learner."""
-    obs: jax.Array  # [N, 4, 84, 84] uint8
+    obs: jax.Array  # [N, *obs_shape]
     actions: jax.Array
     logprobs: jax.Array  # behaviour log-probs, log mu, stored at acting time
     values: jax.Array  # acting-time values
@@ -348,7 +401,7 @@ def act(params, obs, key):
 
 class Rollout(NamedTuple):
     """One actor thread's `--num-steps` transitions; split along E onto the learners."""
-    obs: np.ndarray  # [T, E, 4, 84, 84] uint8
+    obs: np.ndarray  # [T, E, *obs_shape]
     actions: np.ndarray  # [T, E]
     logprobs: np.ndarray  # [T, E] of the behaviour policy mu (the actor's parameters)
     values: np.ndarray  # [T + 1, E], the last one V of the bootstrap observation
@@ -718,6 +771,8 @@ def check_args(args):
     """Flag checks that need no device; returns the args and the env's EnvInfo."""
     env = describe_env(args.env_id, args.machado)
     check_flags(args, unit=("gamma", "gae_lambda"), positive=("learning_rate",))
+    if min(env.obs_shape[1:]) < 3:
+        fail(f"--env-id {args.env_id!r}: its images of shape {env.obs_shape} are too small for a 3x3 convolution")
     return args, env
 
 
@@ -736,7 +791,7 @@ def check_sizes(args, layout, env):
     check_seed(args.seed, 2**31 - layout.num_envs + 1)  # env i of the run is seeded with seed + i
     # Each actor thread holds a rollout it collects, one in its queue and one being learned from.
     threads = len(layout.actor_devices) * args.num_actor_threads
-    obs_bytes = np.prod(env.obs_shape)  # uint8 frames
+    obs_bytes = np.prod(env.obs_shape) * (1 if env.atari else 4)  # uint8 frames, else floats
     check_fits(3 * threads * (args.num_steps + 1) * args.local_num_envs * obs_bytes,
                f"the rollouts of {threads} actor threads x --local-num-envs {args.local_num_envs}")
     batch = args.num_steps * layout.num_envs

@@ -336,29 +336,14 @@ def test_custom_gymnasium_env_runs_end_to_end_with_exact_episode_scores(tmp_path
 
 
 
-def random_minatar_breakout_score(episodes, seed):
-    import gymnasium as gym
-
-    import tests.minatar_envs  # noqa: F401  (registers the ids)
-
-    env, rng, scores = gym.make("MinAtar/Breakout-v1"), np.random.default_rng(seed), []
-    env.reset(seed=seed)
-    while len(scores) < episodes:
-        score, over = 0.0, False
-        while not over:
-            _, reward, terminated, truncated, _ = env.step(rng.integers(env.action_space.n))
-            score, over = score + reward, terminated or truncated
-        scores.append(score)
-        env.reset()
-    return float(np.mean(scores))
-
-
 def test_minatar_breakout_from_bool_images_beats_random_play(tmp_path):
-    random_play = random_minatar_breakout_score(episodes=200, seed=0)
+    from tests.minatar_envs import random_play
+
+    random = random_play("MinAtar/Breakout-v1", episodes=200, seed=0)
     result = run(SCRIPT, ["--env-id", MINATAR, "--total-timesteps", 160_000, "--seed", 3], tmp_path, timeout=900)
     assert result.returncode == 0, result.output[-3000:]
     trained = np.mean([row["charts/episodic_return"] for row in result.metrics[-3:]])
-    assert trained > random_play + 1.5, (trained, random_play)
+    assert trained > random + 1.5, (trained, random)
     assert result.run_dir.parent == tmp_path / "runs"  # the namespaced id gives a flat folder name
     assert result.run_dir.name.startswith("tests.minatar_envs_MinAtar_Breakout-v1__sebulba_impala__3__")
 

@@ -141,6 +141,18 @@ def test_uint8_frames_are_scaled_and_bool_or_float_inputs_enter_as_they_are(ppo)
     np.testing.assert_array_equal(ppo.image_input(floats), np.transpose(floats, (0, 2, 3, 1)))
 
 
+def test_small_images_get_the_minatar_network_and_atari_frames_the_nature_cnn(ppo):
+    import jax
+
+    for shape, kernels, hidden in (((4, 10, 10), [3], 128), ((4, 84, 84), [8, 4, 3], 512)):
+        params = ppo.init_params(jax.random.PRNGKey(0), shape, 3)
+        convs = sorted(k for k in params["torso"] if k.startswith("conv"))
+        assert [params["torso"][k]["w"].shape[0] for k in convs] == kernels
+        assert params["torso"]["dense"]["w"].shape[1] == hidden
+        logits, values = ppo.apply(params, np.zeros((5, *shape), bool))
+        assert logits.shape == (5, 3) and values.shape == (5,)
+
+
 # ---- The learner update and acting --------------------------------------------------------
 
 def test_repeated_updates_on_one_batch_favour_positive_advantage_actions_and_fit_values(ppo):
@@ -150,7 +162,7 @@ def test_repeated_updates_on_one_batch_favour_positive_advantage_actions_and_fit
     args = ppo.Args(update_epochs=2, num_minibatches=2, learning_rate=1e-3, anneal_lr=False)
     rng = np.random.default_rng(2)
     T, E, A = 8, 4, 4
-    state = ppo.init_state(jax.random.PRNGKey(0), args, ppo.EnvInfo((4, 84, 84), A), 100)
+    state = ppo.init_state(jax.random.PRNGKey(0), args, ppo.EnvInfo((4, 84, 84), A, "envpool", True), 100)
     obs = rng.integers(0, 255, (T, E, 4, 84, 84), dtype=np.uint8)
     logits, values = jax.vmap(ppo.apply, (None, 0))(state.params, obs)
     actions = rng.integers(0, A, (T, E))
@@ -192,7 +204,7 @@ def test_collect_returns_unclipped_whole_game_scores_and_marks_autoreset_steps(p
     state = ppo.ActorState(ppo.env_reset(envs), jax.random.PRNGKey(1), np.zeros(2, bool), np.zeros(2), np.zeros(2, int))
     rollout, _, stats = ppo.collect(envs, params, state, 600)
 
-    replay = ppo.make_envs(args, 2, seed=7)
+    replay = ppo.make_envs(args, 2, seed=7).pool
     replay.reset()
     score, scores, life_losses, prev_done = np.zeros(2), [], 0, np.zeros(2, bool)
     for t in range(600):
@@ -210,7 +222,7 @@ def test_collect_returns_unclipped_whole_game_scores_and_marks_autoreset_steps(p
 
 
 def test_machado_envs_reset_and_step(ppo):
-    envs = ppo.make_envs(ppo.Args(machado=True), 2, seed=3)
+    envs = ppo.make_envs(ppo.Args(machado=True), 2, seed=3).pool
     obs, _ = envs.reset()
     for _ in range(5):
         obs, *_ = envs.step(np.random.default_rng(0).integers(0, 18, 2))
@@ -225,7 +237,7 @@ def test_run_folder_is_one_flat_folder_for_namespaced_env_ids(ppo, tmp_path):
         assert run.folder.parent == tmp_path and run.folder.name.startswith(name)
 
 
-# ---- Whole runs: device layouts, policy lag, two hosts --------------------------------------
+# ---- Whole runs: learning, device layouts, policy lag, two hosts ----------------------------
 
 def check_run(result, updates, envs):
     assert result.returncode == 0, result.output[-3000:]
@@ -272,6 +284,18 @@ def test_two_hosts_end_with_identical_learner_parameters(tmp_path):
     assert checksum(results[0].output) == checksum(results[1].output)
     assert results[0].last("global_step") == 128  # 2 updates x 8 steps x 4 envs x 2 hosts
     assert results[1].metrics == []  # only process 0 writes the run folder
+
+
+def test_minatar_breakout_from_bool_images_beats_random_play(tmp_path):
+    from tests.minatar_envs import random_play
+
+    random = random_play("MinAtar/Breakout-v1", episodes=200, seed=0)
+    flags = ["--env-id", "tests.minatar_envs:MinAtar/Breakout-v1", "--num-actor-threads", 1, "--local-num-envs", 16,
+             "--num-steps", 32, "--total-timesteps", 160_000, "--log-every", 20, "--seed", 3]
+    result = run(SCRIPT, flags, tmp_path, timeout=900)
+    assert result.returncode == 0, result.output[-3000:]
+    trained = np.mean([row["charts/episodic_return"] for row in result.metrics[-3:]])
+    assert trained > random + 1.5, (trained, random)
 
 
 # ---- Faults, Ctrl-C, bad input, resume -------------------------------------------------------
@@ -365,6 +389,7 @@ def write_bad_checkpoint(path):
 @pytest.mark.parametrize("flags,devices,expect", [
     (["--env-id", "Breakout-v4"], 1, "Breakout-v5"),
     (["--env-id", "CartPole-v1"], 1, "sebulba_impala.py"),
+    (["--env-id", "tests.minatar_envs:MinAtar/Breakout-v1", "--machado"], 1, "--machado"),
     (["--num-minibatches", "3"], 1, "--num-minibatches"),
     (["--local-num-envs", "3", "--learner-device-ids", "1", "2"], 3, "--local-num-envs"),
     (["--learner-device-ids", "4"], 2, "--learner-device-ids"),
