@@ -2,7 +2,7 @@
 with a min-max band.
 
 usage: python tests/plot.py RUN_FOLDER... -o FILE.png [--x steps|time] [--y SCALAR]
-                            [--ref LABEL=VALUE ...] [--title T]
+                            [--ref LABEL=VALUE[@ENV] ...] [--panels] [--title T]
        python tests/plot.py --speed benchmark.json -o FILE.png [--title T]
 
 Runs are grouped by env id and experiment name (from `args.json`, else from the folder
@@ -12,6 +12,10 @@ Each seed is interpolated onto the x values of all seeds, over the range they al
 
     python tests/plot.py runs/* -o curves.png --ref "random play=0.46"
     python tests/plot.py runs/Breakout* -o sps.png --x time --y charts/SPS
+    python tests/plot.py runs/*MinAtar* -o minatar.png --panels --ref "random=0.5@Asterix" --ref "random=0.46@Breakout"
+
+--panels draws one panel per env id; a reference ending in @ENV is drawn only in the panels
+whose env id contains ENV.
 
 --speed draws tests/benchmark.py's benchmark.json instead: for every row, its training SPS
 beside the bound it was measured against (the `... SPS` column that is not `train SPS`), on a
@@ -46,6 +50,18 @@ class Bar(NamedTuple):
     train: float  # training SPS
     bound: float  # the SPS the row measured training against
     bound_name: str  # its column: "rollout-only SPS" or "raw env SPS"
+
+
+class Ref(NamedTuple):
+    label: str
+    value: float
+    where: str  # drawn in the panels whose env id contains it ("": every panel)
+
+
+class Panel(NamedTuple):
+    name: str | None  # its env id under --panels
+    curves: list
+    refs: list
 
 
 class Curve(NamedTuple):
@@ -149,26 +165,35 @@ def new_figure(size):
     return Figure(figsize=size, layout="constrained")
 
 
-def plot(curves, x_axis, y, refs=(), title=None):
-    """The figure: a mean line and a min-max band per curve, a grey broken line per reference."""
+def plot(panels, x_axis, y, title=None):
+    """The figure: one axes per Panel, with a mean line and a min-max band per curve and a grey
+    broken line per reference."""
     from matplotlib.ticker import EngFormatter
 
-    fig = new_figure((8, 5))
-    ax = fig.add_subplot()
-    for curve in curves:
-        (line,) = ax.plot(curve.x, curve.mean, label=curve.label, linewidth=1.8)
-        ax.fill_between(curve.x, curve.low, curve.high, color=line.get_color(), alpha=0.2, linewidth=0)
-    for (label, value), style in zip(refs, itertools.cycle(["--", ":", "-."])):
-        ax.axhline(value, color="0.3", linestyle=style, linewidth=1.2, label=f"{label} ({value:g})")
-    ax.set_xlabel(X_LABELS[x_axis])
-    ax.set_ylabel(y)
-    if x_axis == "steps":
-        ax.xaxis.set_major_formatter(EngFormatter(sep=""))  # 1.5M steps, not 1.5e6
-    ax.grid(alpha=0.3)
-    if title:
-        ax.set_title(textwrap.fill(title, 80))  # a long title wraps instead of running off the figure
-    # Below the axes: labels carry long env ids and must not hide the curves.
-    fig.legend(loc="outside lower center", ncols=2 if len(ax.get_lines()) > 3 else 1, frameon=False)
+    cols = min(len(panels), 3)
+    rows = math.ceil(len(panels) / cols)
+    fig = new_figure((8, 5) if len(panels) == 1 else (4.5 * cols, 3.6 * rows))
+    for i, panel in enumerate(panels):
+        ax = fig.add_subplot(rows, cols, i + 1)
+        for curve in panel.curves:
+            (line,) = ax.plot(curve.x, curve.mean, label=curve.label, linewidth=1.8)
+            ax.fill_between(curve.x, curve.low, curve.high, color=line.get_color(), alpha=0.2, linewidth=0)
+        for ref, style in zip(panel.refs, itertools.cycle(["--", ":", "-."])):
+            ax.axhline(ref.value, color="0.3", linestyle=style, linewidth=1.2, label=f"{ref.label} ({ref.value:g})")
+        ax.set_xlabel(X_LABELS[x_axis])
+        ax.set_ylabel(y)
+        if x_axis == "steps":
+            ax.xaxis.set_major_formatter(EngFormatter(sep=""))  # 1.5M steps, not 1.5e6
+        ax.grid(alpha=0.3)
+        if panel.name:  # each panel has its own references: its legend is inside it
+            ax.set_title(panel.name, fontsize=9)
+            ax.legend(fontsize=7)
+    if title and len(panels) == 1:
+        fig.axes[0].set_title(textwrap.fill(title, 80))  # a long title wraps instead of running off the figure
+    elif title:
+        fig.suptitle(textwrap.fill(title, 100))
+    if not panels[0].name:  # below the axes: labels carry long env ids and must not hide the curves
+        fig.legend(loc="outside lower center", ncols=2 if len(fig.axes[0].get_lines()) > 3 else 1, frameon=False)
     return fig
 
 
@@ -219,15 +244,16 @@ def plot_speed(bars, machine, title=None):
 
 
 def reference(text):
-    """--ref "LABEL=VALUE" -> (label, value)."""
+    """--ref "LABEL=VALUE[@ENV]" -> Ref."""
     label, _, value = text.rpartition("=")
+    value, _, where = value.partition("@")
     try:
         number = float(value)
     except ValueError:
         number = math.nan
     if not label.strip() or not math.isfinite(number):
         raise argparse.ArgumentTypeError(f"{text!r} is not LABEL=VALUE with a finite number, e.g. \"random play=0.46\"")
-    return label.strip(), number
+    return Ref(label.strip(), number, where.strip())
 
 
 def parse_args(argv):
@@ -238,12 +264,16 @@ def parse_args(argv):
     parser.add_argument("-o", "--output", required=True, type=Path, help="picture to write (.png, .pdf, .svg)")
     parser.add_argument("--x", choices=X_LABELS, default="steps", help="global_step, or training seconds")
     parser.add_argument("--y", default="charts/episodic_return", help="scalar to plot")
-    parser.add_argument("--ref", type=reference, action="append", default=[], metavar="LABEL=VALUE",
-                        help="horizontal reference line, e.g. \"random play=0.46\" (repeatable)")
+    parser.add_argument("--ref", type=reference, action="append", default=[], metavar="LABEL=VALUE[@ENV]",
+                        help="horizontal reference line, e.g. \"random play=0.46\" (repeatable); @ENV: only "
+                             "in the panels whose env id contains ENV")
+    parser.add_argument("--panels", action="store_true", help="one panel per env id")
     parser.add_argument("--title", help="title above the plot")
     args = parser.parse_args(argv)
     if bool(args.runs) == bool(args.speed):
         fail("give run folders, or --speed benchmark.json, not both")
+    if not args.panels and any(ref.where for ref in args.ref):
+        fail("a --ref ending in @ENV needs --panels")
     if not args.output.parent.is_dir():
         fail(f"-o {args.output}: folder {args.output.parent} does not exist")
     return args
@@ -263,9 +293,15 @@ def main(argv=None):
     for run in runs:
         if not seed_columns(run, args.y):
             print(f"warning: {run.folder} has no {args.y}; left out", file=sys.stderr)
-    curves = [make_curve(f"{env_id} · {exp_name} ({len(seeds)} seed{'s' * (len(seeds) > 1)})", seeds)
-              for (env_id, exp_name), seeds in groups.items()]
-    return save(plot(curves, args.x, args.y, args.ref, args.title), args.output)
+    curves = {(env_id, exp_name): make_curve(f"{env_id} · {exp_name} ({len(seeds)} seed{'s' * (len(seeds) > 1)})",
+                                             seeds) for (env_id, exp_name), seeds in groups.items()}
+    if not args.panels:
+        panels = [Panel(None, list(curves.values()), args.ref)]
+    else:
+        envs = dict.fromkeys(env_id for env_id, _ in curves)
+        panels = [Panel(env, [c for (e, _), c in curves.items() if e == env], [r for r in args.ref if r.where in env])
+                  for env in envs]
+    return save(plot(panels, args.x, args.y, args.title), args.output)
 
 
 def save(fig, output):

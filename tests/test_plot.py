@@ -120,6 +120,17 @@ def test_reference_lines_are_drawn_and_named_in_the_legend(folders, tmp_path):
     assert fig.axes[0].get_title() == "T"
 
 
+def test_panels_give_each_env_its_own_axes_curves_and_references(folders, tmp_path):
+    fig, _ = draw(folders, tmp_path, "--panels", "--ref", "r=1@Breakout", "--ref", "all=2", "--ref", "c=3@Catch",
+                  "--title", "T")
+    names = [ax.get_title() for ax in fig.axes]
+    assert names == ["Breakout-v5", "Catch", "CartPole-v1"] and fig._suptitle.get_text() == "T"
+    for ax, seeds, refs in zip(fig.axes, ("3 seeds", "2 seeds", "4 seeds"), ([1, 2], [2, 3], [2])):
+        means = [line for line in ax.get_lines() if line.get_linestyle() == "-"]
+        assert len(means) == 1 and means[0].get_label().endswith(f"({seeds})")
+        assert [line.get_ydata()[0] for line in ax.get_lines() if line.get_linestyle() != "-"] == refs
+
+
 def test_without_args_json_the_folder_name_names_the_curve(tmp_path):
     folders = [write_run(tmp_path, "Pong-v5", "sebulba_ppo_atari", s, rows(seed_returns(s)), with_args=False)
                for s in (1, 2)]
@@ -195,6 +206,7 @@ def test_a_bad_run_folder_is_an_error(tmp_path, metrics, expected):
     (["-o", "{tmp}/no/such/out.png"], "no/such does not exist"),
     (["-o", "{tmp}/out.pgn"], "Format 'pgn' is not supported"),
     (["--x", "hours"], "invalid choice: 'hours'"),
+    (["--ref", "random=0.5@Asterix"], "a --ref ending in @ENV needs --panels"),
     (["--speed", "benchmark.json"], "give run folders, or --speed benchmark.json, not both"),
 ])
 def test_bad_flags_are_one_error_line_and_status_2(tmp_path, flags, expected):
