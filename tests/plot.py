@@ -2,7 +2,7 @@
 with a min-max band.
 
 usage: python tests/plot.py RUN_FOLDER... -o FILE.png [--x steps|time] [--y SCALAR]
-                            [--ref LABEL=VALUE[@ENV] ...] [--panels] [--title T]
+                            [--ref LABEL=VALUE[@ENV] ...] [--panels | --join] [--title T]
        python tests/plot.py --speed benchmark.json -o FILE.png [--title T]
 
 Runs are grouped by env id and experiment name (from `args.json`, else from the folder
@@ -15,7 +15,8 @@ Each seed is interpolated onto the x values of all seeds, over the range they al
     python tests/plot.py runs/*MinAtar* -o minatar.png --panels --ref "random=0.5@Asterix" --ref "random=0.46@Breakout"
 
 --panels draws one panel per env id; a reference ending in @ENV is drawn only in the panels
-whose env id contains ENV.
+whose env id contains ENV. --join takes the folders as one run and its resumptions, in order
+(`--resume` starts a new folder): one curve, with a dotted line where each resumption starts.
 
 --speed draws tests/benchmark.py's benchmark.json instead: for every row, its training SPS
 beside the bound it was measured against (the `... SPS` column that is not `train SPS`), on a
@@ -62,6 +63,7 @@ class Panel(NamedTuple):
     name: str | None  # its env id under --panels
     curves: list
     refs: list
+    resumes: list = []  # x of each resumption's start, under --join
 
 
 class Curve(NamedTuple):
@@ -116,7 +118,8 @@ def seconds(run):
     row (anakin_ppo over all its seeds' steps, global_step counting one seed's), so that window
     lasted step increment x num_seeds / SPS seconds. Summed, this is the time the training loop
     ran: the Anakin scripts leave compilation out of SPS, the Sebulba ones count it in their
-    first row. The first row counts from step 0, which overstates it for a resumed run.
+    first row. The first row counts from step 0, which overstates it for a resumed run
+    (--join counts a resumption's first row from the last row before it).
     """
     if not all(row.get("charts/SPS", 0) > 0 for row in run.rows):
         fail(f"{run.folder}: --x time needs charts/SPS > 0 in every row of metrics.jsonl")
@@ -141,6 +144,15 @@ def group_seeds(runs, y, x_axis):
     for run in runs:
         groups.setdefault((run.env_id, run.exp_name), []).extend(seed_series(run, y, x_axis))
     return {key: seeds for key, seeds in groups.items() if seeds}
+
+
+def join(runs):
+    """One Run of a run and its resumptions, and the row index where each resumption starts."""
+    starts = list(itertools.accumulate(len(run.rows) for run in runs))[:-1]
+    for before, after in zip(runs, runs[1:]):
+        if not before.rows or not after.rows or after.rows[0]["global_step"] <= before.rows[-1]["global_step"]:
+            fail(f"--join: {after.folder} does not start after the last step of {before.folder}")
+    return runs[0]._replace(rows=[row for run in runs for row in run.rows]), starts
 
 
 def make_curve(label, seeds):
@@ -178,6 +190,8 @@ def plot(panels, x_axis, y, title=None):
         for curve in panel.curves:
             (line,) = ax.plot(curve.x, curve.mean, label=curve.label, linewidth=1.8)
             ax.fill_between(curve.x, curve.low, curve.high, color=line.get_color(), alpha=0.2, linewidth=0)
+        for i, x in enumerate(panel.resumes):
+            ax.axvline(x, color="0.5", linestyle=(0, (1, 3)), linewidth=1.2, label="resumed" if i == 0 else None)
         for ref, style in zip(panel.refs, itertools.cycle(["--", ":", "-."])):
             ax.axhline(ref.value, color="0.3", linestyle=style, linewidth=1.2, label=f"{ref.label} ({ref.value:g})")
         ax.set_xlabel(X_LABELS[x_axis])
@@ -268,10 +282,13 @@ def parse_args(argv):
                         help="horizontal reference line, e.g. \"random play=0.46\" (repeatable); @ENV: only "
                              "in the panels whose env id contains ENV")
     parser.add_argument("--panels", action="store_true", help="one panel per env id")
+    parser.add_argument("--join", action="store_true", help="the folders are one run and its resumptions, in order")
     parser.add_argument("--title", help="title above the plot")
     args = parser.parse_args(argv)
     if bool(args.runs) == bool(args.speed):
         fail("give run folders, or --speed benchmark.json, not both")
+    if args.panels and args.join:
+        fail("--panels and --join do not go together (--join makes one curve)")
     if not args.panels and any(ref.where for ref in args.ref):
         fail("a --ref ending in @ENV needs --panels")
     if not args.output.parent.is_dir():
@@ -285,7 +302,11 @@ def main(argv=None):
     if args.speed:
         machine, bars = read_speed(args.speed)
         return save(plot_speed(bars, machine, args.title), args.output)
-    runs = [read_run(folder) for folder in args.runs]
+    runs, resumes = [read_run(folder) for folder in args.runs], []
+    if args.join:
+        run, starts = join(runs)
+        xs = seconds(run) if args.x == "time" else [row["global_step"] for row in run.rows]
+        runs, resumes = [run], [xs[i] for i in starts]
     groups = group_seeds(runs, args.y, args.x)
     if not groups:
         names = sorted({key for run in runs for row in run.rows for key in row} - {"global_step"})
@@ -296,7 +317,7 @@ def main(argv=None):
     curves = {(env_id, exp_name): make_curve(f"{env_id} · {exp_name} ({len(seeds)} seed{'s' * (len(seeds) > 1)})",
                                              seeds) for (env_id, exp_name), seeds in groups.items()}
     if not args.panels:
-        panels = [Panel(None, list(curves.values()), args.ref)]
+        panels = [Panel(None, list(curves.values()), args.ref, resumes)]
     else:
         envs = dict.fromkeys(env_id for env_id, _ in curves)
         panels = [Panel(env, [c for (e, _), c in curves.items() if e == env], [r for r in args.ref if r.where in env])

@@ -131,6 +131,21 @@ def test_panels_give_each_env_its_own_axes_curves_and_references(folders, tmp_pa
         assert [line.get_ydata()[0] for line in ax.get_lines() if line.get_linestyle() != "-"] == refs
 
 
+def test_join_makes_one_curve_of_a_run_and_its_resumption_with_a_line_at_the_resume(tmp_path):
+    first = write_run(tmp_path, "Pong-v5", "sebulba_ppo_atari", 1, rows([1, 2, 3, 4, 5]))
+    resumed = write_run(tmp_path / "b", "Pong-v5", "copy", 1, rows([6, 7], steps=STEPS[-1] + STEPS[:2], sps=100.0))
+    for axis, x_resume, x_last in (("steps", 600, 700), ("time", 10 + 1, 10 + 2)):  # 100 steps at 50 then 100 SPS
+        fig, _ = draw([first, resumed], tmp_path, "--join", "--x", axis)
+        means, _, others = curves(fig)
+        (line,) = means.values()
+        assert list(line.get_ydata()) == [1, 2, 3, 4, 5, 6, 7] and line.get_xdata()[-1] == x_last
+        assert [(mark.get_label(), mark.get_xdata()[0]) for mark in others] == [("resumed", x_resume)]
+    assert "sebulba_ppo_atari" in line.get_label()  # named after the first piece
+    backwards = run(SCRIPT, [resumed, first, "-o", tmp_path / "backwards.png", "--join"], tmp_path, run_dir=False)
+    assert "does not start after the last step of" in error_line(backwards)
+    assert not (tmp_path / "backwards.png").exists()
+
+
 def test_without_args_json_the_folder_name_names_the_curve(tmp_path):
     folders = [write_run(tmp_path, "Pong-v5", "sebulba_ppo_atari", s, rows(seed_returns(s)), with_args=False)
                for s in (1, 2)]
@@ -207,6 +222,7 @@ def test_a_bad_run_folder_is_an_error(tmp_path, metrics, expected):
     (["-o", "{tmp}/out.pgn"], "Format 'pgn' is not supported"),
     (["--x", "hours"], "invalid choice: 'hours'"),
     (["--ref", "random=0.5@Asterix"], "a --ref ending in @ENV needs --panels"),
+    (["--panels", "--join"], "--panels and --join do not go together"),
     (["--speed", "benchmark.json"], "give run folders, or --speed benchmark.json, not both"),
 ])
 def test_bad_flags_are_one_error_line_and_status_2(tmp_path, flags, expected):
