@@ -153,6 +153,13 @@ def test_small_images_get_the_minatar_network_and_atari_frames_the_nature_cnn(pp
         assert logits.shape == (5, 3) and values.shape == (5,)
 
 
+def test_images_too_small_for_a_convolution_are_refused_before_anything_runs(ppo, monkeypatch, capsys):
+    monkeypatch.setattr(ppo, "describe_env", lambda *_: ppo.EnvInfo((1, 2, 5), 3, "gymnasium", False))
+    with pytest.raises(SystemExit) as exit:
+        ppo.check_args(ppo.Args(env_id="tiny"))
+    assert exit.value.code == 2 and "too small for a 3x3 convolution" in capsys.readouterr().err
+
+
 # ---- The learner update and acting --------------------------------------------------------
 
 def test_repeated_updates_on_one_batch_favour_positive_advantage_actions_and_fit_values(ppo):
