@@ -314,8 +314,9 @@ def main(argv=None):
     for run in runs:
         if not seed_columns(run, args.y):
             print(f"warning: {run.folder} has no {args.y}; left out", file=sys.stderr)
-    curves = {(env_id, exp_name): make_curve(f"{env_id} · {exp_name} ({len(seeds)} seed{'s' * (len(seeds) > 1)})",
-                                             seeds) for (env_id, exp_name), seeds in groups.items()}
+    name = lambda env_id, exp_name: exp_name if args.panels else f"{env_id} · {exp_name}"  # a panel names its env
+    curves = {key: make_curve(f"{name(*key)} ({len(seeds)} seed{'s' * (len(seeds) > 1)})", seeds)
+              for key, seeds in groups.items()}
     if not args.panels:
         panels = [Panel(None, list(curves.values()), args.ref, resumes)]
     else:

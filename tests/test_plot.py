@@ -128,6 +128,7 @@ def test_panels_give_each_env_its_own_axes_curves_and_references(folders, tmp_pa
     for ax, seeds, refs in zip(fig.axes, ("3 seeds", "2 seeds", "4 seeds"), ([1, 2], [2, 3], [2])):
         means = [line for line in ax.get_lines() if line.get_linestyle() == "-"]
         assert len(means) == 1 and means[0].get_label().endswith(f"({seeds})")
+        assert ax.get_title() not in means[0].get_label()  # the panel's title names the env
         assert [line.get_ydata()[0] for line in ax.get_lines() if line.get_linestyle() != "-"] == refs
 
 
