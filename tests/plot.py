@@ -128,9 +128,14 @@ def seconds(run):
     return np.cumsum(np.diff(steps, prepend=0.0) * run.num_seeds / sps)
 
 
+def x_values(run, x_axis):
+    """The x of every row of `run`: training seconds or global_step."""
+    return seconds(run) if x_axis == "time" else np.array([row["global_step"] for row in run.rows], dtype=float)
+
+
 def seed_series(run, y, x_axis):
     """One (x, y) pair of arrays per seed of `run`, from the rows that hold the value."""
-    xs = seconds(run) if x_axis == "time" else np.array([row["global_step"] for row in run.rows], dtype=float)
+    xs = x_values(run, x_axis)
     series = []
     for column in seed_columns(run, y):
         kept = [i for i, row in enumerate(run.rows) if column in row]
@@ -190,8 +195,8 @@ def plot(panels, x_axis, y, title=None):
         for curve in panel.curves:
             (line,) = ax.plot(curve.x, curve.mean, label=curve.label, linewidth=1.8)
             ax.fill_between(curve.x, curve.low, curve.high, color=line.get_color(), alpha=0.2, linewidth=0)
-        for i, x in enumerate(panel.resumes):
-            ax.axvline(x, color="0.5", linestyle=(0, (1, 3)), linewidth=1.2, label="resumed" if i == 0 else None)
+        for n, x in enumerate(panel.resumes):
+            ax.axvline(x, color="0.5", linestyle=(0, (1, 3)), linewidth=1.2, label="resumed" if n == 0 else None)
         for ref, style in zip(panel.refs, itertools.cycle(["--", ":", "-."])):
             ax.axhline(ref.value, color="0.3", linestyle=style, linewidth=1.2, label=f"{ref.label} ({ref.value:g})")
         ax.set_xlabel(X_LABELS[x_axis])
@@ -202,9 +207,9 @@ def plot(panels, x_axis, y, title=None):
         if panel.name:  # each panel has its own references: its legend is inside it
             ax.set_title(panel.name, fontsize=9)
             ax.legend(fontsize=7)
-    if title and len(panels) == 1:
+    if title and not panels[0].name:
         fig.axes[0].set_title(textwrap.fill(title, 80))  # a long title wraps instead of running off the figure
-    elif title:
+    elif title:  # above the panels, whose own titles name their envs
         fig.suptitle(textwrap.fill(title, 100))
     if not panels[0].name:  # below the axes: labels carry long env ids and must not hide the curves
         fig.legend(loc="outside lower center", ncols=2 if len(fig.axes[0].get_lines()) > 3 else 1, frameon=False)
@@ -305,8 +310,7 @@ def main(argv=None):
     runs, resumes = [read_run(folder) for folder in args.runs], []
     if args.join:
         run, starts = join(runs)
-        xs = seconds(run) if args.x == "time" else [row["global_step"] for row in run.rows]
-        runs, resumes = [run], [xs[i] for i in starts]
+        runs, resumes = [run], list(x_values(run, args.x)[starts])
     groups = group_seeds(runs, args.y, args.x)
     if not groups:
         names = sorted({key for run in runs for row in run.rows for key in row} - {"global_step"})
