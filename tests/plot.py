@@ -15,8 +15,9 @@ Each seed is interpolated onto the x values of all seeds, over the range they al
     python tests/plot.py runs/*MinAtar* -o minatar.png --panels --ref "random=0.5@Asterix" --ref "random=0.46@Breakout"
 
 --panels draws one panel per env id; a reference ending in @ENV is drawn only in the panels
-whose env id contains ENV. --join takes the folders as one run and its resumptions, in order
-(`--resume` starts a new folder): one curve, with a dotted line where each resumption starts.
+whose env id contains ENV. --join takes the folders of one env id and seed as one run and its
+resumptions (`--resume` starts a new folder), ordered by their first step: one seed, named
+after its first piece, with a dotted line where each resumption starts.
 
 --speed draws tests/benchmark.py's benchmark.json instead: for every row, its training SPS
 beside the bound it was measured against (the `... SPS` column that is not `train SPS`), on a
@@ -42,6 +43,7 @@ class Run(NamedTuple):
     folder: Path
     env_id: str
     exp_name: str
+    seed: str
     num_seeds: int  # anakin_ppo's --num-seeds (1 elsewhere): its charts/SPS counts every seed's steps
     rows: list  # metrics.jsonl, one dict a line
 
@@ -63,7 +65,7 @@ class Panel(NamedTuple):
     name: str | None  # its env id under --panels
     curves: list
     refs: list
-    resumes: list = []  # x of each resumption's start, under --join
+    resumes: list  # x of each resumption's start, under --join
 
 
 class Curve(NamedTuple):
@@ -96,10 +98,11 @@ def read_run(folder):
     if not all(isinstance(row, dict) and "global_step" in row for row in rows):
         fail(f"{metrics}: every line should be a JSON object with a global_step")
     parts = folder.name.rsplit("__", 3)  # {env_id}__{exp_name}__{seed}__{time}, if args.json is missing
-    env_id, exp_name = parts[:2] if len(parts) == 4 else ("unknown env", folder.name)
+    env_id, exp_name, seed = parts[:3] if len(parts) == 4 else ("unknown env", folder.name, folder.name)
     args_file = folder / "args.json"
     args = read_json(args_file, args_file.read_text()) if args_file.is_file() else {}
-    return Run(folder, args.get("env_id", env_id), args.get("exp_name", exp_name), args.get("num_seeds", 1), rows)
+    return Run(folder, args.get("env_id", env_id), args.get("exp_name", exp_name), str(args.get("seed", seed)),
+               args.get("num_seeds", 1), rows)
 
 
 def seed_columns(run, y):
@@ -151,13 +154,26 @@ def group_seeds(runs, y, x_axis):
     return {key: seeds for key, seeds in groups.items() if seeds}
 
 
-def join(runs):
-    """One Run of a run and its resumptions, and the row index where each resumption starts."""
-    starts = list(itertools.accumulate(len(run.rows) for run in runs))[:-1]
-    for before, after in zip(runs, runs[1:]):
-        if not before.rows or not after.rows or after.rows[0]["global_step"] <= before.rows[-1]["global_step"]:
-            fail(f"--join: {after.folder} does not start after the last step of {before.folder}")
-    return runs[0]._replace(rows=[row for run in runs for row in run.rows]), starts
+def join(runs, x_axis):
+    """--join: the runs of each env id and seed as one run and its resumptions. Returns the joined
+    runs and {env_id: x of each resumption's start}."""
+    pieces, joined, resumes = {}, [], {}
+    for run in runs:
+        if run.rows:
+            pieces.setdefault((run.env_id, run.seed), []).append(run)
+        else:  # left out later, with a warning
+            joined.append(run)
+    for (env_id, _), group in pieces.items():
+        group.sort(key=lambda run: run.rows[0]["global_step"])
+        for before, after in zip(group, group[1:]):
+            if after.rows[0]["global_step"] <= before.rows[-1]["global_step"]:
+                fail(f"--join: {after.folder} and {before.folder} have the same env id and seed but overlap "
+                     f"(one does not start after the other's last step)")
+        run = group[0]._replace(rows=[row for piece in group for row in piece.rows])
+        starts = list(itertools.accumulate(len(piece.rows) for piece in group))[:-1]
+        joined.append(run)
+        resumes.setdefault(env_id, []).extend(x_values(run, x_axis)[starts])
+    return joined, resumes
 
 
 def make_curve(label, seeds):
@@ -287,13 +303,12 @@ def parse_args(argv):
                         help="horizontal reference line, e.g. \"random play=0.46\" (repeatable); @ENV: only "
                              "in the panels whose env id contains ENV")
     parser.add_argument("--panels", action="store_true", help="one panel per env id")
-    parser.add_argument("--join", action="store_true", help="the folders are one run and its resumptions, in order")
+    parser.add_argument("--join", action="store_true",
+                        help="the folders of one env id and seed are one run and its resumptions")
     parser.add_argument("--title", help="title above the plot")
     args = parser.parse_args(argv)
     if bool(args.runs) == bool(args.speed):
         fail("give run folders, or --speed benchmark.json, not both")
-    if args.panels and args.join:
-        fail("--panels and --join do not go together (--join makes one curve)")
     if not args.panels and any(ref.where for ref in args.ref):
         fail("a --ref ending in @ENV needs --panels")
     if not args.output.parent.is_dir():
@@ -307,10 +322,9 @@ def main(argv=None):
     if args.speed:
         machine, bars = read_speed(args.speed)
         return save(plot_speed(bars, machine, args.title), args.output)
-    runs, resumes = [read_run(folder) for folder in args.runs], []
+    runs, resumes = [read_run(folder) for folder in args.runs], {}
     if args.join:
-        run, starts = join(runs)
-        runs, resumes = [run], list(x_values(run, args.x)[starts])
+        runs, resumes = join(runs, args.x)
     groups = group_seeds(runs, args.y, args.x)
     if not groups:
         names = sorted({key for run in runs for row in run.rows for key in row} - {"global_step"})
@@ -322,11 +336,11 @@ def main(argv=None):
     curves = {key: make_curve(f"{name(*key)} ({len(seeds)} seed{'s' * (len(seeds) > 1)})", seeds)
               for key, seeds in groups.items()}
     if not args.panels:
-        panels = [Panel(None, list(curves.values()), args.ref, resumes)]
+        panels = [Panel(None, list(curves.values()), args.ref, [x for xs in resumes.values() for x in xs])]
     else:
         envs = dict.fromkeys(env_id for env_id, _ in curves)
-        panels = [Panel(env, [c for (e, _), c in curves.items() if e == env], [r for r in args.ref if r.where in env])
-                  for env in envs]
+        panels = [Panel(env, [c for (e, _), c in curves.items() if e == env], [r for r in args.ref if r.where in env],
+                        resumes.get(env, [])) for env in envs]
     return save(plot(panels, args.x, args.y, args.title), args.output)
 
 

@@ -136,15 +136,32 @@ def test_join_makes_one_curve_of_a_run_and_its_resumption_with_a_line_at_the_res
     first = write_run(tmp_path, "Pong-v5", "sebulba_ppo_atari", 1, rows([1, 2, 3, 4, 5]))
     resumed = write_run(tmp_path / "b", "Pong-v5", "copy", 1, rows([6, 7], steps=STEPS[-1] + STEPS[:2], sps=100.0))
     for axis, x_resume, x_last in (("steps", 600, 700), ("time", 10 + 1, 10 + 2)):  # 100 steps at 50 then 100 SPS
-        fig, _ = draw([first, resumed], tmp_path, "--join", "--x", axis)
+        fig, _ = draw([resumed, first], tmp_path, "--join", "--x", axis)  # pieces are ordered by their first step
         means, _, others = curves(fig)
         (line,) = means.values()
         assert list(line.get_ydata()) == [1, 2, 3, 4, 5, 6, 7] and line.get_xdata()[-1] == x_last
         assert [(mark.get_label(), mark.get_xdata()[0]) for mark in others] == [("resumed", x_resume)]
-    assert "sebulba_ppo_atari" in line.get_label()  # named after the first piece
-    backwards = run(SCRIPT, [resumed, first, "-o", tmp_path / "backwards.png", "--join"], tmp_path, run_dir=False)
-    assert "does not start after the last step of" in error_line(backwards)
-    assert not (tmp_path / "backwards.png").exists()
+    assert "sebulba_ppo_atari (1 seed)" in line.get_label()  # named after the first piece
+    again = write_run(tmp_path / "c", "Pong-v5", "again", 1, rows([0, 1], steps=STEPS[-1] + STEPS[:2]))
+    overlap = run(SCRIPT, [first, resumed, again, "-o", tmp_path / "overlap.png", "--join"], tmp_path, run_dir=False)
+    assert "have the same env id and seed but overlap" in error_line(overlap)
+    assert not (tmp_path / "overlap.png").exists()
+
+
+def test_join_with_panels_joins_each_seeds_pieces_in_its_own_panel(tmp_path):
+    pieces = [write_run(tmp_path / "a", "Seaquest", "sebulba_impala", 1, rows([1, 2, 3, 4, 5])),
+              write_run(tmp_path / "b", "Seaquest", "resumed", 1, rows([7, 9], steps=STEPS[-1] + STEPS[:2]))]
+    seed_2 = write_run(tmp_path, "Seaquest", "sebulba_impala", 2, rows([3, 4, 5, 6, 7], steps=STEPS + 200))
+    other = write_run(tmp_path, "Asterix", "sebulba_impala", 1, rows([1, 1, 1, 1, 1]))
+    fig, _ = draw([other, *pieces, seed_2], tmp_path, "--join", "--panels")
+    asterix, seaquest = fig.axes
+    assert [ax.get_title() for ax in fig.axes] == ["Asterix", "Seaquest"]
+    assert [line.get_linestyle() for line in asterix.get_lines()] == ["-"]  # nothing resumed here
+    mean, resume = seaquest.get_lines()
+    assert mean.get_label() == "sebulba_impala (2 seeds)" and resume.get_label() == "resumed"
+    np.testing.assert_allclose(resume.get_xdata(), [600, 600])
+    np.testing.assert_allclose(mean.get_xdata(), [300, 400, 500, 600, 700])  # where both seeds have steps
+    np.testing.assert_allclose(mean.get_ydata(), [(3 + 3) / 2, (4 + 4) / 2, (5 + 5) / 2, (7 + 6) / 2, (9 + 7) / 2])
 
 
 def test_without_args_json_the_folder_name_names_the_curve(tmp_path):
@@ -223,7 +240,6 @@ def test_a_bad_run_folder_is_an_error(tmp_path, metrics, expected):
     (["-o", "{tmp}/out.pgn"], "Format 'pgn' is not supported"),
     (["--x", "hours"], "invalid choice: 'hours'"),
     (["--ref", "random=0.5@Asterix"], "a --ref ending in @ENV needs --panels"),
-    (["--panels", "--join"], "--panels and --join do not go together"),
     (["--speed", "benchmark.json"], "give run folders, or --speed benchmark.json, not both"),
 ])
 def test_bad_flags_are_one_error_line_and_status_2(tmp_path, flags, expected):
