@@ -782,7 +782,8 @@ def save(run, tree, args):
         except OSError as e:
             with contextlib.suppress(OSError):
                 tmp.unlink(missing_ok=True)
-            exit_now(1, run, f"error: cannot write {tmp} ({e.strerror or e})")
+            left = f"; {tmp.name} could not be removed: delete it" if tmp.exists() else ""
+            exit_now(1, run, f"error: cannot write {tmp} ({e.strerror or e}){left}")
 
 
 def load(args, template, batch, hint):
