@@ -99,7 +99,7 @@ class Args:
     max_grad_norm: float = 40.0
     """global-norm gradient clipping"""
     rmsprop_eps: float | None = None
-    """RMSProp epsilon, inside the square root (default: 0.01 images, the IMPALA paper's; 1e-5 vectors)"""
+    """RMSProp epsilon, outside the root: g / (sqrt(nu) + eps) (default: 0.01 images, the IMPALA paper's; 1e-5 vectors)"""
     network: Literal["deep", "shallow", "mlp"] | None = None
     """IMPALA paper figure 3's deep ResNet or shallow CNN for images (default: deep); an MLP for vectors"""
     machado: bool = False
@@ -537,10 +537,12 @@ def learning_rate(args, num_updates, update):
 
 
 def make_optimizer(args, num_updates):
-    """RMSProp (decay 0.99, no momentum) with global-norm clipping, as in the IMPALA paper."""
+    """RMSProp (decay 0.99, no momentum) with global-norm clipping, as in the IMPALA paper. Epsilon goes
+    outside the root, as in torchbeast's and Cleanba's RMSProp: inside it (optax's default) 0.01 floors the
+    denominator at 0.1, and the policy barely moves on Atari (README.md: IMPALA on Atari)."""
     lr = lambda count: learning_rate(args, num_updates, count)
     return optax.chain(optax.clip_by_global_norm(args.max_grad_norm),
-                       optax.rmsprop(lr, decay=0.99, eps=args.rmsprop_eps))
+                       optax.rmsprop(lr, decay=0.99, eps=args.rmsprop_eps, eps_in_sqrt=False))
 
 
 def init_state(key, args, env, num_updates):

@@ -255,6 +255,30 @@ def test_an_update_is_the_same_on_one_or_two_learner_devices(tmp_path):
     assert moved > 1e-4 and gap < 1e-6 * max(moved, 1.0) + 1e-7 and info_gap < 1e-5
 
 
+def test_rmsprop_adds_epsilon_outside_the_root_as_torchbeast_and_cleanba_do(impala):
+    """Three updates against the formula in NumPy: clip the gradient to global norm 40, then
+    nu = 0.99 nu + 0.01 g^2 (nu starts at 0) and a step of lr_t g / (sqrt(nu) + eps), lr_t annealed.
+    With epsilon inside the root (optax's default) a gradient of 0.01 would move a weight 9 times
+    less: sqrt(0.01) = 0.1 floors the denominator instead of 0.01."""
+    args = impala.Args(learning_rate=6e-4, rmsprop_eps=0.01, max_grad_norm=40.0)
+    optimizer = impala.make_optimizer(args, num_updates=10)
+    params = {"w": np.zeros(3, np.float32), "b": np.zeros(2, np.float32)}
+    grads = [{"w": np.array([0.01, -0.02, 0.5], np.float32), "b": np.array([3.0, -1e-4], np.float32)},
+             {"w": np.array([0.01, 0.03, -0.5], np.float32), "b": np.array([-2.0, 1e-4], np.float32)},
+             {"w": np.array([60.0, 0.0, 0.0], np.float32), "b": np.array([0.0, 80.0], np.float32)}]  # clipped
+    state, nu = optimizer.init(params), {k: np.zeros_like(v) for k, v in params.items()}
+    for t, g in enumerate(grads):
+        updates, state = optimizer.update(g, state, params)
+        norm = np.sqrt(sum(float(np.sum(x.astype(np.float64) ** 2)) for x in g.values()))
+        lr = 6e-4 * (1 - t / 10)
+        for k in g:
+            clipped = g[k] * min(1.0, 40.0 / norm)
+            nu[k] = 0.99 * nu[k] + 0.01 * clipped**2
+            np.testing.assert_allclose(updates[k], -lr * clipped / (np.sqrt(nu[k]) + 0.01), rtol=1e-5, err_msg=k)
+    first, _ = optimizer.update(grads[0], optimizer.init(params), params)
+    assert float(-first["w"][0]) > 0.9 * 6e-4  # 0.01 / (0.001 + 0.01) of a step, not 0.1 of one
+
+
 # --- Episodes: the true game score, against envpool's own counters ------------------------
 
 
