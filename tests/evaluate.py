@@ -1,0 +1,371 @@
+"""Score and watch a trained agent: whole games played with the policy of a run's checkpoint.npz.
+
+usage: python tests/evaluate.py CHECKPOINT [--episodes N] [--greedy] [--seed S] [--agent I] [--gif FILE]
+
+A checkpoint records its run's flags, and their names are the fields of one script's `Args`: that
+says which of the four scripts wrote it. That script's own pieces then play, loaded by the test
+harness: its environment with the run's flags (Catch and the JAX CartPole and Pendulum, or the
+envpool and gymnasium envs of the Sebulba scripts, Atari with its training protocol), its network
+and its action sampling (as trained; --greedy: the arg-max action, or the Gaussian's mean). Each of
+N envs plays one whole game (Atari: every life, the unclipped score), so that short games are not
+favoured; the mean, std, min and max of the scores and lengths (agent steps) are printed.
+
+    python tests/evaluate.py runs/Catch__anakin_catch__1__1700000000/checkpoint.npz --greedy
+    python tests/evaluate.py runs/Pong-v5__sebulba_impala__1__1700000000/checkpoint.npz --gif pong.gif
+
+--gif writes the first game as an animated GIF, one frame per agent step at about the game's speed:
+Atari's grey 84x84 frame (upscaled), MinAtar's channels in colour, Catch's board, CartPole's cart
+and pole, Pendulum's pendulum (pictures drawn from the observations; other vector envs have none).
+--agent picks one agent of an `anakin_ppo.py --num-seeds N` run (default: the first).
+"""
+
+import argparse
+import dataclasses
+import itertools
+import json
+import sys
+import time
+from functools import partial
+from pathlib import Path
+from typing import Callable, NamedTuple
+
+import envpool
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+from matplotlib import colormaps
+from PIL import Image, ImageDraw
+
+from conftest import ROOT, load
+
+sys.path.insert(0, str(ROOT))  # where gymnasium ids such as tests.minatar_envs:MinAtar/Breakout-v1 import from
+SCRIPTS = ("anakin_catch.py", "anakin_ppo.py", "sebulba_impala.py", "sebulba_ppo_atari.py")
+
+
+class Outcome(NamedTuple):
+    """One step of every env, [N] each."""
+    score: np.ndarray  # the game's own reward (Atari: unclipped)
+    counted: np.ndarray  # a step of the game, not an env's reset step after a lost life
+    over: np.ndarray  # the whole game ended at this step
+
+
+class Game(NamedTuple):
+    """N envs of a script with the checkpoint's policy."""
+    carry: object  # what the next step starts from
+    step: Callable  # carry -> (carry, Outcome)
+    shown: Callable  # carry -> env 0's observation now
+
+
+class Evaluation(NamedTuple):
+    scores: np.ndarray  # [N] whole-game scores
+    lengths: np.ndarray  # [N] agent steps of each game
+    seconds: float  # playing them, compilation included
+    frames: list  # env 0's pictures, one a step of its game (--gif only)
+
+
+def fail(message):
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+# ---- The checkpoint: which script, its flags, the policy's parameters ------------------------
+
+def read_checkpoint(path):
+    """Its arrays (the flags' JSON string popped off) and the run's flags."""
+    try:
+        with np.load(path, allow_pickle=False) as f:
+            arrays = dict(f)
+    except Exception as e:  # missing, empty, truncated, random bytes, pickled
+        fail(f"{path} is not a readable checkpoint ({type(e).__name__}: {str(e).splitlines()[0]})")
+    try:
+        flags = json.loads(str(arrays.pop("args")))
+    except (KeyError, ValueError):
+        flags = None
+    if not isinstance(flags, dict):
+        fail(f"{path} records no flags (a checkpoint.npz of {', '.join(SCRIPTS)} holds its run's as `args`)")
+    return arrays, flags
+
+
+def identify(path, flags):
+    """The script whose `Args` has exactly these flags, as a module, and the run's Args."""
+    for script in SCRIPTS:
+        module = load(script)
+        if {field.name for field in dataclasses.fields(module.Args)} == set(flags):
+            return script, module, module.Args(**flags)
+    fail(f"{path}: its flags are those of none of {', '.join(SCRIPTS)} (another program's file, or another "
+         "version's?)")
+
+
+def state_template(script, module, args):
+    """The run's flags, checked by the script itself, and the shapes of the TrainState its init makes
+    (Anakin: with one env on one device, as only the envs' leaves depend on the layout)."""
+    args = dataclasses.replace(args, resume=None)  # the file it was resumed from need not exist any more
+    one_device = Mesh(np.array(jax.devices()[:1]), ("devices",))
+    if script == "anakin_catch.py":
+        args = module.check_args(args)
+        return args, module.init_on_mesh(args, one_device, 1)[1]
+    if script == "anakin_ppo.py":
+        args = module.check_args(args)
+        return args, module.init_on_mesh(args, module.ENVS[args.env_id], one_device, 1)[1]
+    args, env = module.check_args(args)
+    return args, jax.eval_shape(partial(module.init_state, jax.random.PRNGKey(args.seed), args, env, 1))
+
+
+def read_params(path, script, module, arrays, template):
+    """The parameters, named as the script's `save` names them, unflattened as its `load` does."""
+    names = {f"state/params/{name}": like for name, like in module.flat(template.params).items()}
+    for name, like in names.items():
+        got = arrays.get(name)
+        if got is None or got.shape != like.shape or got.dtype != like.dtype:
+            found = "missing" if got is None else f"{got.dtype}{list(got.shape)}"
+            fail(f"{path} does not match {script}'s network for its flags: {name} is {found}, expected "
+                 f"{like.dtype}{list(like.shape)}")
+    return jax.tree.unflatten(jax.tree.structure(template.params), [arrays[name] for name in names])
+
+
+def pick_agent(script, args, params, agent):
+    """anakin_ppo.py's parameters have a leading axis of --num-seeds agents; the others hold one agent."""
+    agents = args.num_seeds if script == "anakin_ppo.py" else 1
+    if not 0 <= agent < agents:
+        fail(f"--agent {agent}: this checkpoint holds {agents} agent(s), 0..{agents - 1}")
+    if script == "anakin_ppo.py":
+        params = jax.tree.map(lambda x: x[agent], params)
+    return jax.device_put(params)
+
+
+# ---- Each script's envs and acting, N games at once ------------------------------------------
+
+def catch_game(module, args, params, opts):
+    """Catch in JAX with the script's own rollout, one step a call: epsilon-greedy as trained, or with
+    epsilon 0 (--greedy). Carries the script's Lanes, one an env."""
+    args = dataclasses.replace(args, num_steps=1, epsilon=0.0 if opts.greedy else args.epsilon)
+    rollout = jax.jit(jax.vmap(lambda lane: module.rollout(params, lane, args)[:2]))
+    counted = np.ones(opts.episodes, bool)
+
+    def step(lanes):
+        lanes, traj = rollout(lanes)  # traj: [N, 1] leaves
+        return lanes, Outcome(np.asarray(traj.reward[:, 0]), counted, np.asarray(traj.done[:, 0]))
+
+    first_board = lambda lanes: module.observe(jax.tree.map(lambda x: x[0], lanes.env))
+    lanes = module.init_state(jax.random.PRNGKey(opts.seed), args, opts.episodes).lanes
+    return Game(lanes, step, first_board)
+
+
+def anakin_ppo_game(module, args, params, opts):
+    """The file's JAX env with its time limit, and the script's `sample` (with zero noise under --greedy:
+    the arg-max, or the Gaussian's mean). Carries the script's TrainState of N envs."""
+    env, counted = module.ENVS[args.env_id], np.ones(opts.episodes, bool)
+
+    @jax.jit
+    def step_on_device(state):
+        key, k_act, k_reset = jax.random.split(state.key, 3)
+        out, _ = module.apply(params, state.obs)
+        noise = module.draw_noise(k_act, params, out.shape)
+        action = module.sample(params, out, jnp.zeros_like(noise) if opts.greedy else noise)
+        fresh = jax.vmap(lambda k: module.env_reset(env, k))(jax.random.split(k_reset, opts.episodes))
+        env_state, ended = jax.vmap(partial(module.env_step, env))(state.env_state, action, fresh)
+        return state._replace(env_state=env_state, obs=ended.obs, key=key), ended
+
+    def step(state):
+        state, ended = step_on_device(state)
+        over = np.asarray(ended.terminated | ended.truncated)
+        return state, Outcome(np.asarray(ended.reward), counted, over)
+
+    state = module.init_state(jax.random.PRNGKey(opts.seed), params, args, env, opts.episodes)
+    return Game(state, step, lambda state: state.obs[0])
+
+
+class Acting(NamedTuple):
+    """What a Sebulba step starts from."""
+    obs: np.ndarray  # [N, *obs_shape]
+    key: jax.Array
+    ended: np.ndarray  # [N] obs is an episode's last: the next step is the env's reset step
+    colour: np.ndarray | None  # [1, 3, 210, 160] the frame of env 0's twin in colour (Atari, --gif)
+
+
+def sebulba_game(module, args, params, opts):
+    """The script's envs (make_envs, env_reset, env_step) and its `act`, or the arg-max of its `apply`.
+    For a GIF of Atari, a twin of env 0 in colour: the same game (same seed, same actions), other frames."""
+    envs, twin = module.make_envs(args, opts.episodes, opts.seed), None
+    if opts.gif and envs.env.atari:
+        twin = envpool.make(args.env_id, env_type="gymnasium", num_envs=1, seed=opts.seed, gray_scale=False,
+                            img_height=210, img_width=160, stack_num=1, **module.atari_kwargs(args.machado))
+    argmax = jax.jit(lambda params, obs, key: (jnp.argmax(module.apply(params, obs)[0], -1), key))
+    act = argmax if opts.greedy else module.act
+
+    def step(now):
+        actions, *_, key = act(params, now.obs, now.key)
+        stepped = module.env_step(envs, np.asarray(actions))
+        colour = now.colour
+        if twin is not None:
+            colour, _, _, _, info = twin.step(np.asarray(actions[:1]))
+            if info["reward"][0] != stepped.score[0]:
+                fail("the colour twin of env 0 played another game: run again without --gif")
+        outcome = Outcome(stepped.score, ~now.ended, stepped.game_over)
+        return Acting(stepped.obs, key, stepped.ended, colour), outcome
+
+    start = Acting(module.env_reset(envs), jax.random.PRNGKey(opts.seed), np.zeros(opts.episodes, bool),
+                   None if twin is None else twin.reset()[0])
+    return Game(start, step, lambda now: (now.obs if twin is None else now.colour)[0])
+
+
+GAMES = {"anakin_catch.py": catch_game, "anakin_ppo.py": anakin_ppo_game,
+         "sebulba_impala.py": sebulba_game, "sebulba_ppo_atari.py": sebulba_game}
+
+
+def play(game, n, record):
+    """Step all envs until each has played one whole game; env 0's observations if `record`."""
+    carry, shown = game.carry, []
+    scores, lengths, over = np.zeros(n), np.zeros(n, int), np.zeros(n, bool)
+    while not over.all():
+        obs = np.asarray(game.shown(carry)) if record and not over[0] else None
+        carry, out = game.step(carry)
+        if obs is not None and out.counted[0]:
+            shown.append(obs)
+        scores += np.where(over, 0.0, out.score)
+        lengths += ~over & out.counted
+        over |= out.over
+    return scores, lengths, shown
+
+
+# ---- Pictures: one RGB frame [H, W, 3] uint8 per observation ---------------------------------
+
+HEIGHT = 160  # pixels of a picture, about
+PALETTE = (np.array(colormaps["tab10"].colors) * 255).astype(np.uint8)  # one colour per image channel
+
+
+def upscaled(rgb):
+    scale = -(-HEIGHT // rgb.shape[0])
+    return rgb.repeat(scale, axis=0).repeat(scale, axis=1)
+
+
+def board(obs):  # Catch [rows, cols]: 1 at the ball and at the paddle
+    return upscaled(np.repeat((obs[..., None] * 255).astype(np.uint8), 3, axis=-1))
+
+
+def image(obs):  # [C, H, W]: uint8 RGB, or greys (Atari's stack: the newest last), or channels of objects
+    if obs.dtype == np.uint8:
+        return upscaled(obs.transpose(1, 2, 0) if len(obs) == 3 else np.repeat(obs[-1][..., None], 3, -1))
+    rgb = np.zeros((*obs.shape[1:], 3), np.uint8)
+    for channel, colour in zip(obs.astype(bool), itertools.cycle(PALETTE)):
+        rgb[channel] = colour
+    return upscaled(rgb)
+
+
+def drawing(draw, size=(2 * HEIGHT, HEIGHT)):
+    picture = Image.new("RGB", size, "white")
+    draw(ImageDraw.Draw(picture))
+    return np.asarray(picture)
+
+
+def cartpole(obs):  # [x, x_dot, theta, theta_dot]: gymnasium's picture, the track +-2.4 wide
+    scale, ground = HEIGHT / 2.4, 0.75 * HEIGHT
+    x = HEIGHT + obs[0] * scale
+    tip = (x + scale * np.sin(obs[2]), ground - 10 - scale * np.cos(obs[2]))  # the pole is 1.0 long
+
+    def draw(d):
+        d.line([(0, ground), (2 * HEIGHT, ground)], fill="black")
+        d.rectangle([x - 16, ground - 20, x + 16, ground], fill="black")
+        d.line([(x, ground - 10), tip], fill=(202, 152, 101), width=6)
+        d.ellipse([x - 3, ground - 13, x + 3, ground - 7], fill=(129, 132, 203))
+    return drawing(draw)
+
+
+def pendulum(obs):  # [cos theta, sin theta, theta_dot]; theta 0 is upright
+    centre, length = HEIGHT / 2, 0.4 * HEIGHT
+    tip = (centre - length * obs[1], centre - length * obs[0])
+
+    def draw(d):
+        d.line([(centre, centre), tip], fill=(204, 77, 77), width=10)
+        d.ellipse([centre - 4, centre - 4, centre + 4, centre + 4], fill="black")
+    return drawing(draw, (HEIGHT, HEIGHT))
+
+
+def pictures(env_id, obs):
+    """The drawing function of this env's observations and seconds per frame, or None."""
+    if env_id == "Catch":
+        return board, 0.25
+    if obs.ndim == 3:
+        return image, 4 / 60 if obs.dtype == np.uint8 else 0.1  # Atari: 4 frames of 60 Hz a step
+    if "CartPole" in env_id and obs.shape == (4,):
+        return cartpole, 0.02
+    if "Pendulum" in env_id and obs.shape == (3,):
+        return pendulum, 0.05
+    return None
+
+
+def write_gif(path, frames, seconds):
+    """One palette for all frames: exact if they have at most 256 colours (all do but some RGB images)."""
+    frames = np.stack(frames)
+    codes = frames.astype(np.uint32) @ np.array([1 << 16, 1 << 8, 1], np.uint32)
+    colours, index = np.unique(codes, return_inverse=True)
+    if len(colours) > 256:  # 3-3-2 bits of red, green, blue
+        colours, index = np.unique(codes & 0xE0E0C0, return_inverse=True)
+    palette = np.stack([colours >> 16, colours >> 8 & 255, colours & 255], -1).astype(np.uint8)
+    images = [Image.fromarray(i.astype(np.uint8), "P") for i in index.reshape(frames.shape[:3])]
+    for i in images:
+        i.putpalette(palette.tobytes())
+    ms = 10 * round(100 * seconds)  # GIFs count in hundredths of a second
+    images[0].save(path, save_all=True, append_images=images[1:], duration=ms, loop=0)
+
+
+# ---- The command line ------------------------------------------------------------------------
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.error = fail  # one `error:` line and status 2, as for every other bad input
+    parser.add_argument("checkpoint", type=Path, help="a run's checkpoint.npz")
+    parser.add_argument("--episodes", type=int, default=10, help="whole games to play, one per env")
+    parser.add_argument("--greedy", action="store_true", help="the arg-max action (Pendulum: the mean)")
+    parser.add_argument("--seed", type=int, default=0, help="seeds the envs and the action sampling")
+    parser.add_argument("--agent", type=int, default=0, help="which agent of an anakin_ppo.py --num-seeds run")
+    parser.add_argument("--gif", type=Path, help="write the first game as an animated GIF")
+    args = parser.parse_args(argv)
+    if args.episodes < 1:
+        fail(f"--episodes {args.episodes} must be at least 1")
+    if not 0 <= args.seed < 2**31 - args.episodes:  # envpool seeds env i with seed + i, an int32
+        fail(f"--seed {args.seed} must be in 0..{2**31 - args.episodes - 1:,}")
+    if args.gif and not args.gif.parent.is_dir():
+        fail(f"--gif {args.gif}: folder {args.gif.parent} does not exist")
+    return args
+
+
+def summary(name, values, digits):
+    figures = {"mean": values.mean(), "std": values.std(), "min": values.min(), "max": values.max()}
+    return f"{name:<7} " + "  ".join(f"{k} {v:.{digits}f}" for k, v in figures.items())
+
+
+def main(argv=None):
+    """Play, print the figures (and write the GIF); return the Evaluation."""
+    opts = parse_args(argv)
+    arrays, flags = read_checkpoint(opts.checkpoint)
+    script, module, args = identify(opts.checkpoint, flags)
+    args, template = state_template(script, module, args)
+    params = read_params(opts.checkpoint, script, module, arrays, template)
+    params = pick_agent(script, args, params, opts.agent)
+    game = GAMES[script](module, args, params, opts)
+    draw = pictures(args.env_id, np.asarray(game.shown(game.carry))) if opts.gif else None
+    if opts.gif and draw is None:
+        fail(f"--gif: no picture for {args.env_id}'s observations (Atari, MinAtar and other images, Catch, "
+             "CartPole and Pendulum have one)")
+    steps = f", {int(arrays['global_step']):,} steps" if "global_step" in arrays else ""
+    print(f"{opts.checkpoint}: {script} on {args.env_id}{steps}")
+    tic = time.time()
+    scores, lengths, shown = play(game, opts.episodes, record=bool(opts.gif))
+    seconds = time.time() - tic
+    how = "arg-max" if opts.greedy else "sampled"
+    print(f"{opts.episodes} games, {how} actions, seed {opts.seed}: {seconds:.1f} s")
+    print(summary("score", scores, 2))
+    print(summary("length", lengths.astype(float), 1))
+    frames = []
+    if opts.gif:
+        frames = [draw[0](obs) for obs in shown]
+        write_gif(opts.gif, frames, draw[1])
+        print(f"wrote {opts.gif}: game 1 (score {scores[0]:g}), {len(frames)} frames, "
+              f"{opts.gif.stat().st_size / 1000:.0f} KB")
+    return Evaluation(scores, lengths, seconds, frames)
+
+
+if __name__ == "__main__":
+    main()
