@@ -1,0 +1,138 @@
+"""tests/evaluate.py: every script's checkpoint plays whole games and draws a GIF of one, a trained
+Catch agent scores near the optimum, and damaged, foreign or mismatched files are one error line."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+from PIL import Image, ImageSequence
+
+from conftest import error_line, load, run, spawn
+
+evaluate = load("tests/evaluate.py")
+SMALL = ["--num-actor-threads", 1, "--local-num-envs", 2, "--num-steps", 4, "--total-timesteps", 8]  # one update
+# name: (script, flags, milliseconds a GIF frame shows one agent step). The Catch agent is trained: the
+# default flags and seed for 4M steps: seeds 1, 2, 3 and 5 then score 1.0 greedily (seed 1 passes 0.9 in
+# training at 2.2M steps and scores 0.28 at 2M), the slow seed 4 only about 0.1 (its training reaches 0.9
+# at 13M steps).
+RUNS = {
+    "catch": ("anakin_catch.py", ["--total-timesteps", 4_000_000, "--log-every", 100], 250),
+    "pendulum": ("anakin_ppo.py", ["--env-id", "Pendulum-v1", "--num-seeds", 2, "--total-timesteps", 4096], 50),
+    "impala cartpole": ("sebulba_impala.py", ["--env-id", "CartPole-v1", *SMALL], 20),
+    "atari": ("sebulba_impala.py", ["--env-id", "Breakout-v5", "--network", "shallow", *SMALL], 70),
+    "minatar": ("sebulba_ppo_atari.py", ["--env-id", "tests.minatar_envs:MinAtar/Breakout-v1",
+                                         "--update-epochs", 1, "--num-minibatches", 1, *SMALL], 100),
+}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """{name: checkpoint.npz} of every run of RUNS, run side by side."""
+    root = tmp_path_factory.mktemp("runs")
+    procs = {name: spawn(script, [*flags, "--run-dir", root / name], root) for name, (script, flags, _) in RUNS.items()}
+    try:
+        for name, proc in procs.items():
+            output = proc.communicate(timeout=600)[0]
+            assert proc.returncode == 0, f"{name}:\n{output[-3000:]}"
+    finally:
+        for proc in procs.values():
+            proc.kill()
+    return {name: next((root / name).glob("*/checkpoint.npz")) for name in RUNS}
+
+
+def evaluate_gif(checkpoint, gif, *flags):
+    """The Evaluation, and the GIF's frames as RGB arrays with their durations in milliseconds."""
+    result = evaluate.main([str(checkpoint), "--gif", str(gif), *map(str, flags)])
+    with Image.open(gif) as image:
+        frames = [(np.asarray(frame.convert("RGB")), frame.info["duration"]) for frame in ImageSequence.Iterator(image)]
+    return result, frames
+
+
+@pytest.mark.parametrize("name", RUNS)
+def test_a_short_runs_checkpoint_plays_whole_games_and_its_gif_shows_each_step_of_the_first(
+        name, checkpoints, tmp_path, capsys):
+    result, frames = evaluate_gif(checkpoints[name], tmp_path / "game.gif", "--episodes", 3)
+    assert len(result.scores) == 3 and np.isfinite(result.scores).all() and (result.lengths >= 1).all()
+    assert len(result.frames) == result.lengths[0]
+    # Pillow stores a frame equal to the one before it as one longer frame.
+    assert 1 <= len(frames) <= len(result.frames)
+    assert sum(ms for _, ms in frames) == len(result.frames) * RUNS[name][2]
+    out = capsys.readouterr().out
+    assert "3 games, sampled actions" in out and "score   mean" in out and "length  mean" in out
+
+
+def as_at_the_start(checkpoint, path):
+    """A copy of an anakin_catch.py checkpoint with the parameters its run started from."""
+    catch = load("anakin_catch.py")
+    with np.load(checkpoint, allow_pickle=False) as f:
+        arrays = dict(f)
+    args = catch.Args(**json.loads(str(arrays["args"])))
+    start = catch.flat({"state": catch.init_state(jax.random.PRNGKey(args.seed), args, 1)})
+    np.savez(path, **{**arrays, **{name: start[name] for name in arrays if name.startswith("state/params/")}})
+    return path
+
+
+def test_a_trained_catch_agent_catches_nearly_every_ball_greedily_and_an_untrained_one_far_fewer(
+        checkpoints, tmp_path):
+    trained = evaluate.main([str(checkpoints["catch"]), "--greedy", "--episodes", "100"])
+    untrained = evaluate.main([str(as_at_the_start(checkpoints["catch"], tmp_path / "start.npz")), "--greedy",
+                               "--episodes", "100"])
+    assert trained.scores.mean() >= 0.9
+    assert untrained.scores.mean() < 0.5
+    assert set(trained.lengths) == {9}  # every game of Catch: the ball falls nine rows
+
+
+def test_atari_gifs_show_the_same_game_in_envpools_colour_frames(checkpoints, tmp_path):
+    result, frames = evaluate_gif(checkpoints["atari"], tmp_path / "game.gif", "--episodes", 1, "--greedy")
+    first = frames[0][0].astype(int)
+    assert first.shape == (210, 160, 3)
+    assert np.abs(first[..., 0] - first[..., 2]).max() > 100  # Breakout's coloured bricks
+    assert result.lengths[0] == len(result.frames)
+
+
+def test_agent_picks_one_agent_of_an_anakin_ppo_run_of_several_seeds(checkpoints, capsys):
+    scores = [evaluate.main([str(checkpoints["pendulum"]), "--agent", str(i), "--episodes", "2"]).scores
+              for i in (0, 1)]
+    assert not np.array_equal(*scores)  # the same envs, two policies
+    assert "2 agent(s), 0..1" in refused([checkpoints["pendulum"], "--agent", 2], capsys)
+    assert "1 agent(s), 0..0" in refused([checkpoints["catch"], "--agent", 1], capsys)
+
+
+def refused(argv, capsys):
+    """The one `error:` line of an evaluation refused with exit status 2."""
+    with pytest.raises(SystemExit) as stop:
+        evaluate.main(list(map(str, argv)))
+    assert stop.value.code == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:"), lines
+    return lines[0]
+
+
+def test_a_damaged_file_is_one_error_line_with_status_2_and_no_traceback(tmp_path):
+    damaged = tmp_path / "checkpoint.npz"
+    damaged.write_bytes(b"PK\x03\x04 the first bytes of a zip, then nothing")
+    assert "is not a readable checkpoint" in error_line(run("tests/evaluate.py", [damaged], tmp_path, run_dir=False))
+
+
+def test_foreign_files_and_bad_flags_are_refused(checkpoints, tmp_path, capsys):
+    path = tmp_path / "foreign.npz"
+    np.savez(path, x=np.zeros(3))
+    assert "records no flags" in refused([path], capsys)
+    np.savez(path, args=json.dumps({"lr": 0.1}))
+    assert "flags are those of none of" in refused([path], capsys)
+    np.savez(path, args=np.array([{"lr": 0.1}], dtype=object))  # pickled
+    assert "is not a readable checkpoint" in refused([path], capsys)
+    assert "is not a readable checkpoint" in refused([tmp_path / "missing.npz"], capsys)
+    assert "--episodes 0 must be at least 1" in refused([checkpoints["catch"], "--episodes", 0], capsys)
+    assert "does not exist" in refused([checkpoints["catch"], "--gif", tmp_path / "no" / "x.gif"], capsys)
+
+
+def test_a_checkpoint_whose_arrays_do_not_fit_its_flags_is_refused(checkpoints, tmp_path, capsys):
+    with np.load(checkpoints["pendulum"], allow_pickle=False) as f:
+        arrays = dict(f)
+    flags = json.loads(str(arrays.pop("args")))
+    path = tmp_path / "cartpole_flags.npz"
+    np.savez(path, **arrays, args=json.dumps({**flags, "env_id": "CartPole-v1"}))  # Pendulum's 3 inputs, not 4
+    line = refused([path], capsys)
+    assert "does not match anakin_ppo.py's network" in line and "state/params/actor/layer0/w" in line
