@@ -14,8 +14,9 @@ favoured; the mean, std, min and max of the scores and lengths (agent steps) are
     python tests/evaluate.py runs/Pong-v5__sebulba_impala__1__1700000000/checkpoint.npz --gif pong.gif
 
 --gif writes the first game as an animated GIF, one frame per agent step at about the game's speed:
-Atari's grey 84x84 frame (upscaled), MinAtar's channels in colour, Catch's board, CartPole's cart
-and pole, Pendulum's pendulum (pictures drawn from the observations; other vector envs have none).
+Atari in envpool's colour (from a twin of the first env: same seed, same actions, so the same game),
+MinAtar's channels in colour, the boards of Catch the agent acted on, CartPole's cart and pole,
+Pendulum's pendulum (drawn from the observations; other vector envs have no picture).
 --agent picks one agent of an `anakin_ppo.py --num-seeds N` run (default: the first).
 """
 
@@ -39,7 +40,7 @@ from PIL import Image, ImageDraw
 
 from conftest import ROOT, load
 
-sys.path.insert(0, str(ROOT))  # where gymnasium ids such as tests.minatar_envs:MinAtar/Breakout-v1 import from
+sys.path.insert(0, str(ROOT))  # gymnasium ids such as tests.minatar_envs:MinAtar/Breakout-v1 import from here
 SCRIPTS = ("anakin_catch.py", "anakin_ppo.py", "sebulba_impala.py", "sebulba_ppo_atari.py")
 
 
@@ -283,7 +284,7 @@ def pendulum(obs):  # [cos theta, sin theta, theta_dot]; theta 0 is upright
 
 
 def pictures(env_id, obs):
-    """The drawing function of this env's observations and seconds per frame, or None."""
+    """(drawing function, seconds a frame shows) for this env's observations, or None."""
     if env_id == "Catch":
         return board, 0.25
     if obs.ndim == 3:
@@ -319,7 +320,7 @@ def parse_args(argv):
     parser.add_argument("--episodes", type=int, default=10, help="whole games to play, one per env")
     parser.add_argument("--greedy", action="store_true", help="the arg-max action (Pendulum: the mean)")
     parser.add_argument("--seed", type=int, default=0, help="seeds the envs and the action sampling")
-    parser.add_argument("--agent", type=int, default=0, help="which agent of an anakin_ppo.py --num-seeds run")
+    parser.add_argument("--agent", type=int, default=0, help="the agent of an anakin_ppo.py --num-seeds run")
     parser.add_argument("--gif", type=Path, help="write the first game as an animated GIF")
     args = parser.parse_args(argv)
     if args.episodes < 1:
@@ -345,8 +346,8 @@ def main(argv=None):
     params = read_params(opts.checkpoint, script, module, arrays, template)
     params = pick_agent(script, args, params, opts.agent)
     game = GAMES[script](module, args, params, opts)
-    draw = pictures(args.env_id, np.asarray(game.shown(game.carry))) if opts.gif else None
-    if opts.gif and draw is None:
+    picture = pictures(args.env_id, np.asarray(game.shown(game.carry))) if opts.gif else None
+    if opts.gif and picture is None:
         fail(f"--gif: no picture for {args.env_id}'s observations (Atari, MinAtar and other images, Catch, "
              "CartPole and Pendulum have one)")
     steps = f", {int(arrays['global_step']):,} steps" if "global_step" in arrays else ""
@@ -360,8 +361,9 @@ def main(argv=None):
     print(summary("length", lengths.astype(float), 1))
     frames = []
     if opts.gif:
-        frames = [draw[0](obs) for obs in shown]
-        write_gif(opts.gif, frames, draw[1])
+        draw, frame_seconds = picture
+        frames = [draw(obs) for obs in shown]
+        write_gif(opts.gif, frames, frame_seconds)
         print(f"wrote {opts.gif}: game 1 (score {scores[0]:g}), {len(frames)} frames, "
               f"{opts.gif.stat().st_size / 1000:.0f} KB")
     return Evaluation(scores, lengths, seconds, frames)

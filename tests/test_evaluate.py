@@ -11,14 +11,15 @@ from PIL import Image, ImageSequence
 from conftest import error_line, load, run, spawn
 
 evaluate = load("tests/evaluate.py")
-SMALL = ["--num-actor-threads", 1, "--local-num-envs", 2, "--num-steps", 4, "--total-timesteps", 8]  # one update
-# name: (script, flags, milliseconds a GIF frame shows one agent step). The Catch agent is trained: the
-# default flags and seed for 4M steps: seeds 1, 2, 3 and 5 then score 1.0 greedily (seed 1 passes 0.9 in
-# training at 2.2M steps and scores 0.28 at 2M), the slow seed 4 only about 0.1 (its training reaches 0.9
-# at 13M steps).
+SMALL = ["--num-actor-threads", 1, "--local-num-envs", 2, "--num-steps", 4, "--total-timesteps", 8]
+# name: (script, flags, milliseconds a GIF frame shows one agent step). The Sebulba runs are one update
+# long; the Catch agent is trained, with the default flags and seed for 4M steps: seeds 1, 2, 3 and 5
+# then score 1.0 greedily (seed 1, 0.28 after 2M steps, passes 0.9 in training at 2.2M), the slow seed 4
+# about 0.1 (in training it reaches 0.9 at 13M steps).
 RUNS = {
     "catch": ("anakin_catch.py", ["--total-timesteps", 4_000_000, "--log-every", 100], 250),
-    "pendulum": ("anakin_ppo.py", ["--env-id", "Pendulum-v1", "--num-seeds", 2, "--total-timesteps", 4096], 50),
+    "pendulum": ("anakin_ppo.py", ["--env-id", "Pendulum-v1", "--num-seeds", 2, "--total-timesteps", 4096],
+                 50),
     "impala cartpole": ("sebulba_impala.py", ["--env-id", "CartPole-v1", *SMALL], 20),
     "atari": ("sebulba_impala.py", ["--env-id", "Breakout-v5", "--network", "shallow", *SMALL], 70),
     "minatar": ("sebulba_ppo_atari.py", ["--env-id", "tests.minatar_envs:MinAtar/Breakout-v1",
@@ -30,7 +31,8 @@ RUNS = {
 def checkpoints(tmp_path_factory):
     """{name: checkpoint.npz} of every run of RUNS, run side by side."""
     root = tmp_path_factory.mktemp("runs")
-    procs = {name: spawn(script, [*flags, "--run-dir", root / name], root) for name, (script, flags, _) in RUNS.items()}
+    procs = {name: spawn(script, [*flags, "--run-dir", root / name], root)
+             for name, (script, flags, _) in RUNS.items()}
     try:
         for name, proc in procs.items():
             output = proc.communicate(timeout=600)[0]
@@ -45,7 +47,8 @@ def evaluate_gif(checkpoint, gif, *flags):
     """The Evaluation, and the GIF's frames as RGB arrays with their durations in milliseconds."""
     result = evaluate.main([str(checkpoint), "--gif", str(gif), *map(str, flags)])
     with Image.open(gif) as image:
-        frames = [(np.asarray(frame.convert("RGB")), frame.info["duration"]) for frame in ImageSequence.Iterator(image)]
+        frames = [(np.asarray(frame.convert("RGB")), frame.info["duration"])
+                  for frame in ImageSequence.Iterator(image)]
     return result, frames
 
 
@@ -83,7 +86,7 @@ def test_a_trained_catch_agent_catches_nearly_every_ball_greedily_and_an_untrain
     assert set(trained.lengths) == {9}  # every game of Catch: the ball falls nine rows
 
 
-def test_atari_gifs_show_the_same_game_in_envpools_colour_frames(checkpoints, tmp_path):
+def test_atari_gifs_show_the_game_played_in_envpools_colour_frames(checkpoints, tmp_path):
     result, frames = evaluate_gif(checkpoints["atari"], tmp_path / "game.gif", "--episodes", 1, "--greedy")
     first = frames[0][0].astype(int)
     assert first.shape == (210, 160, 3)
@@ -112,7 +115,8 @@ def refused(argv, capsys):
 def test_a_damaged_file_is_one_error_line_with_status_2_and_no_traceback(tmp_path):
     damaged = tmp_path / "checkpoint.npz"
     damaged.write_bytes(b"PK\x03\x04 the first bytes of a zip, then nothing")
-    assert "is not a readable checkpoint" in error_line(run("tests/evaluate.py", [damaged], tmp_path, run_dir=False))
+    result = run("tests/evaluate.py", [damaged], tmp_path, run_dir=False)
+    assert "is not a readable checkpoint" in error_line(result)
 
 
 def test_foreign_files_and_bad_flags_are_refused(checkpoints, tmp_path, capsys):
@@ -133,6 +137,6 @@ def test_a_checkpoint_whose_arrays_do_not_fit_its_flags_is_refused(checkpoints, 
         arrays = dict(f)
     flags = json.loads(str(arrays.pop("args")))
     path = tmp_path / "cartpole_flags.npz"
-    np.savez(path, **arrays, args=json.dumps({**flags, "env_id": "CartPole-v1"}))  # Pendulum's 3 inputs, not 4
+    np.savez(path, **arrays, args=json.dumps({**flags, "env_id": "CartPole-v1"}))  # 3 inputs: not CartPole's
     line = refused([path], capsys)
     assert "does not match anakin_ppo.py's network" in line and "state/params/actor/layer0/w" in line
