@@ -23,9 +23,10 @@ from conftest import ROOT, load
 DOCS = ("README.md", "tests/figures/README.md")
 SCRIPTS = ("anakin_catch.py", "anakin_ppo.py", "sebulba_impala.py", "sebulba_ppo_atari.py")
 TOOLS = ("tests/plot.py", "tests/benchmark.py")
-# A copy of an old commit's script (`git show 1baef03:sebulba_ppo_atari.py > ppo_1baef03.py`, the
-# Pong run's story in tests/figures/README.md) is history: today's flags need not match it.
-HISTORY = ("ppo_1baef03.py",)
+# Copies of an old commit's script (`git show 1baef03:sebulba_ppo_atari.py > ppo_1baef03.py`, the
+# Pong run's story in tests/figures/README.md; the IMPALA probes' landed code) are history: today's
+# flags need not match them.
+HISTORY = ("ppo_1baef03.py", "impala_landed.py", "impala_init1.py")
 SEPARATORS = {";", "&&", "||", "|", "&", "do", "then", "done", "fi"}
 REDIRECTS = {">", ">>", "<"}
 
