@@ -22,7 +22,7 @@ from conftest import ROOT, load
 
 DOCS = ("README.md", "tests/figures/README.md")
 SCRIPTS = ("anakin_catch.py", "anakin_ppo.py", "sebulba_impala.py", "sebulba_ppo_atari.py")
-TOOLS = ("tests/plot.py", "tests/benchmark.py")
+TOOLS = ("tests/plot.py", "tests/evaluate.py", "tests/benchmark.py")
 # Copies of an old commit's script (`git show 1baef03:sebulba_ppo_atari.py > ppo_1baef03.py`, the
 # Pong run's story in tests/figures/README.md; the IMPALA probes' landed code) are history: today's
 # flags need not match them.
@@ -128,8 +128,8 @@ def check_flags(script, flags, monkeypatch):
     """Parse `flags` with the parser `script` itself uses; a bad flag raises SystemExit."""
     if script in SCRIPTS:
         tyro.cli(load(script).Args, args=flags)
-    elif script == "tests/plot.py":
-        monkeypatch.chdir(ROOT)  # -o must name an existing folder, relative to the repository
+    elif script in ("tests/plot.py", "tests/evaluate.py"):
+        monkeypatch.chdir(ROOT)  # -o and --gif must name an existing folder, relative to the repository
         load(script).parse_args(flags)
     elif script == "tests/benchmark.py":
         parse_args = argparse.ArgumentParser.parse_args
