@@ -191,11 +191,12 @@ def test_a_disk_too_full_for_the_checkpoint_ends_the_run_leaving_no_temporary_fi
     assert sorted(p.name for p in folder.iterdir() if not p.name.startswith("events")) == ["args.json", "metrics.jsonl"]
 
 
-@pytest.mark.parametrize("fault", ["made immutable", "made immutable with a temporary file in it", "deleted"])
+@pytest.mark.parametrize("fault", ["made immutable", "made immutable with a directory in it", "deleted"])
 def test_a_run_folder_made_immutable_or_deleted_mid_run_ends_the_run_with_one_line(tmp_path, fault):
     """What holds in every timing: one line, the last checkpoint intact, the temporary file gone where the folder
     lets it go. An immutable folder keeps a temporary file that was there (the run's own, when the fault lands
-    while it is written, or this test's), and then the line must say so."""
+    while it is written), and then the line must say so; the last case forces that with a directory in the
+    temporary file's place, which no save can replace or remove."""
     proc = spawn("anakin_catch.py", [*quick("anakin_catch.py"), "--log-every", 5, "--checkpoint-every", 5,
                                      "--run-dir", tmp_path / "runs"], tmp_path)
     try:
@@ -204,11 +205,16 @@ def test_a_run_folder_made_immutable_or_deleted_mid_run_ends_the_run_with_one_li
             time.sleep(0.05)
         (folder,) = (tmp_path / "runs").iterdir()
         tmp = folder / "checkpoint.tmp.npz"
-        if fault == "deleted":
-            shutil.rmtree(folder)
+        if fault == "deleted":  # moved away first, so the run cannot add a file while it is removed
+            folder.rename(tmp_path / "gone")
+            shutil.rmtree(tmp_path / "gone")
         else:
-            if fault.endswith("in it"):
-                tmp.touch()  # the next save writes into it, then can neither rename nor remove it
+            while fault.endswith("in it"):
+                try:
+                    tmp.mkdir()  # once the run's own temporary file, if any, has been moved into place
+                    break
+                except FileExistsError:
+                    time.sleep(0.001)
             subprocess.run(["chattr", "+i", folder], check=True)  # no new, renamed or removed entries, even for root
         output = proc.communicate(timeout=120)[0]
     finally:
