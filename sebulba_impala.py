@@ -539,7 +539,7 @@ def learning_rate(args, num_updates, update):
 def make_optimizer(args, num_updates):
     """RMSProp (decay 0.99, no momentum) with global-norm clipping, as in the IMPALA paper. Epsilon goes
     outside the root, as in torchbeast's and Cleanba's RMSProp: inside it (optax's default) 0.01 floors the
-    denominator at 0.1, and the policy barely moves on Atari (README.md: IMPALA on Atari)."""
+    denominator at 0.1, and the policy barely moves on Atari (README.md: IMPALA's RMSProp)."""
     lr = lambda count: learning_rate(args, num_updates, count)
     return optax.chain(optax.clip_by_global_norm(args.max_grad_norm),
                        optax.rmsprop(lr, decay=0.99, eps=args.rmsprop_eps, eps_in_sqrt=False))
