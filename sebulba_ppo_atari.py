@@ -155,8 +155,8 @@ def describe_env(env_id, machado):
         module, _, name = env_id.rpartition(":")
         try:
             importlib.import_module(module) if module else None
-        except (ImportError, TypeError) as err:  # TypeError: a relative name such as "../x"
-            fail(f"--env-id {env_id!r}: cannot import module {module!r} ({err})")
+        except Exception as err:  # not found, a relative name such as "../x", or the module's own error
+            fail(f"--env-id {env_id!r}: cannot import module {module!r} ({type(err).__name__}: {err})")
         if name not in gym.registry:
             close = difflib.get_close_matches(name, [*envpool.list_all_envs(), *gym.registry], n=3)
             fail(f"--env-id {env_id!r}: unknown environment; close matches: {', '.join(close) or 'none'}")
@@ -894,7 +894,8 @@ def open_run(args):
     """A new folder {run-dir}/{env}__{exp-name}__{seed}__{unix time}[_1, _2, ...], its name made flat."""
     if jax.process_index() != 0:
         return Run(None, None, None)
-    name = "__".join(str(s).replace(":", "_").replace("/", "_") for s in (args.env_id, args.exp_name, args.seed))
+    name = "__".join("".join(c if c.isalnum() or c in "-_.+" else "_" for c in str(s))
+                     for s in (args.env_id, args.exp_name, args.seed))
     base = Path(args.run_dir) / f"{name}__{int(time.time())}"
     for folder in (base.with_name(f"{base.name}_{n}") if n else base for n in itertools.count()):
         try:
@@ -908,6 +909,9 @@ def open_run(args):
             fail(f"{blame}: cannot make the run folder {folder} ({e.strerror})")
 
 
+SAVING = []  # the temporary file `save` is writing, if any: a second stop signal removes it
+
+
 def catch_stop_signals():
     """SIGINT (Ctrl-C), SIGTERM (SLURM, Kubernetes) and SIGHUP (a closed terminal) are only noted, as raising
     inside JAX or envpool could hang; `safe_point` acts on them. A second signal exits at once."""
@@ -915,8 +919,14 @@ def catch_stop_signals():
 
     def note(signum, _):
         if caught:
+            for tmp in SAVING:
+                with contextlib.suppress(OSError):
+                    tmp.unlink(missing_ok=True)
             os._exit(128 + signum)
         caught.append(signum)
+        with contextlib.suppress(OSError):  # os.write: this may interrupt a print
+            os.write(sys.stdout.fileno(), f"{signal.Signals(signum).name}: stopping after the update in flight, "
+                     "with a checkpoint; a second signal stops at once, without one\n".encode())
 
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, note)
@@ -943,9 +953,11 @@ def save(run, tree, args):
     """Host arrays and the run's flags to a temporary file moved into place: never a torn checkpoint."""
     if run.checkpoint is not None:
         tmp = run.checkpoint.with_name("checkpoint.tmp.npz")
+        SAVING[:] = [tmp]
         try:
             np.savez(tmp, **flat(tree), args=json.dumps(dataclasses.asdict(args)))
             os.replace(tmp, run.checkpoint)
+            SAVING.clear()
         except OSError as e:
             with contextlib.suppress(OSError):
                 tmp.unlink(missing_ok=True)
@@ -954,10 +966,15 @@ def save(run, tree, args):
 
 
 def load(args, template, batch, hint):
-    """The --resume checkpoint's arrays if its run had these flags, shapes (`hint`), steps per update and budget."""
+    """The --resume checkpoint's arrays if its run had these flags, shapes (`hint`), steps per update and budget.
+    Arrays this run does not make are refused unread."""
+    names = {*flat(template), "args"}
     try:
         with np.load(args.resume, allow_pickle=False) as f:
-            arrays = dict(f)
+            if unknown := sorted(set(f.files) - names):
+                fail(f"--resume {args.resume!r} does not match this run: it holds arrays this run does not make "
+                     f"({', '.join(unknown[:3])}{', ...' if len(unknown) > 3 else ''}; {hint})")
+            arrays = {name: f[name] for name in names & set(f.files)}
     except Exception as e:  # empty, truncated, random bytes, pickled
         fail(f"--resume {args.resume!r} is not a readable checkpoint ({type(e).__name__}: {str(e).splitlines()[0]})")
     for name, like in flat(template).items():
@@ -966,14 +983,21 @@ def load(args, template, batch, hint):
             found = "missing" if got is None else f"{got.dtype}{list(got.shape)}"
             fail(f"--resume {args.resume!r} does not match this run: {name} is {found}, expected {like.dtype}"
                  f"{list(like.shape)} ({hint})")
-    if "args" not in arrays:
-        fail(f"--resume {args.resume!r} does not match this run: it records no flags ({hint})")
-    saved, now = json.loads(str(arrays["args"])), json.loads(json.dumps(dataclasses.asdict(args)))
+    try:
+        saved = json.loads(str(arrays["args"]))
+    except (KeyError, ValueError):
+        saved = None
+    if not isinstance(saved, dict):
+        fail(f"--resume {args.resume!r} does not match this run: it records no flags as a JSON object ({hint})")
+    now = json.loads(json.dumps(dataclasses.asdict(args)))
     free = ("total_timesteps", "log_every", "checkpoint_every", "run_dir", "exp_name", "resume", "distributed",
             "coordinator_address", "num_processes", "process_id")
     for name in [n for n in now if n not in free and saved.get(n) != now[n]]:
-        fail(f"--resume {args.resume!r} comes from a run with --{name.replace('_', '-')} {saved.get(name)}, not "
-             f"{now[name]} (a resumed run may change only the budget, logging, checkpoint and folder flags)")
+        fail(f"--resume {args.resume!r} comes from a run with --{name.replace('_', '-')} {json.dumps(saved.get(name))},"
+             f" not {json.dumps(now[name])} (a resumed run may change only the budget, logging, checkpoint and folder "
+             "flags)")
+    if arrays["update"] < 0:
+        fail(f"--resume {args.resume!r} is damaged: it holds update {int(arrays['update'])}")
     if arrays["global_step"] != arrays["update"] * batch:
         fail(f"--resume {args.resume!r} comes from a run whose updates were not of {batch:,} steps (another number "
              "of hosts?)")
@@ -1001,7 +1025,7 @@ def exit_now(code, run, line):
 
 
 def check_finite(losses, update, run):
-    if bad := {name: value for name, value in losses.items() if not math.isfinite(value)}:
+    if bad := {name: float(value) for name, value in losses.items() if not math.isfinite(value)}:
         exit_now(1, run, f"error: non-finite loss at update {update} ({bad})")
 
 

@@ -8,7 +8,9 @@ import difflib
 import json
 import math
 import os
+import re
 import shutil
+import sys
 import signal
 import subprocess
 import time
@@ -88,6 +90,7 @@ def test_sigterm_in_the_first_seconds_writes_a_checkpoint_that_resumes(tmp_path,
     returncode, output, ckpt = stopped_early(script)
     assert returncode == 143 and "Traceback" not in output, output[-3000:]
     assert "stopped by SIGTERM after update 0" in output, output[-3000:]
+    assert output.count("SIGTERM: stopping after the update in flight, with a checkpoint; a second signal") == 1
     with np.load(ckpt, allow_pickle=False) as f:
         assert int(f["update"]) == 0
     _, per_update = QUICK[script]
@@ -118,6 +121,40 @@ def test_an_unreadable_checkpoint_is_one_error_line(tmp_path, stopped_early, scr
     (tmp_path / "bad.npz").write_bytes(data)
     line = error_line(run(script, [*quick(script), "--resume", tmp_path / "bad.npz"], tmp_path))
     assert "is not a readable checkpoint" in line
+
+
+# The arrays of a small run's checkpoint, and what the error line says when one thing is wrong with them.
+DAMAGED = {
+    "an unknown array": ({"junk": np.zeros(4)}, "does not match this run: it holds arrays this run does not make (junk;"),
+    "a negative update": ({"update": np.int64(-5), "global_step": np.int64(-5 * 16)}, "is damaged: it holds update -5"),
+    "flags as garbled JSON": ({"args": "{seed: 1"}, "it records no flags as a JSON object"),
+    "flags as a list": ({"args": "[1, 2]"}, "it records no flags as a JSON object"),
+    "flags as a number": ({"args": "7"}, "it records no flags as a JSON object"),
+    "a seed recorded as a string": ({"args": "seed"}, 'comes from a run with --seed "1", not 1 ('),
+}
+
+
+@pytest.mark.parametrize("case", [*DAMAGED, "nothing"])
+def test_a_damaged_checkpoint_is_one_error_line_and_its_unknown_arrays_stay_unread(tmp_path, monkeypatch, capsys,
+                                                                                    case):
+    catch = load("anakin_catch.py")
+    args = catch.Args(resume=str(tmp_path / "c.npz"), total_timesteps=10**6)
+    template = {"w": np.zeros(3, np.float32), "update": np.int64(0), "global_step": np.int64(0)}
+    changes, words = DAMAGED.get(case, ({}, None))
+    if changes.get("args") == "seed":
+        changes = {"args": json.dumps({**dataclasses.asdict(args), "seed": "1"})}
+    np.savez(args.resume, **{"w": np.ones(3, np.float32), "update": np.int64(2), "global_step": np.int64(32),
+                             "args": json.dumps(dataclasses.asdict(args)), **changes})
+    read, real = [], np.lib.npyio.NpzFile.__getitem__
+    monkeypatch.setattr(np.lib.npyio.NpzFile, "__getitem__", lambda f, name: read.append(name) or real(f, name))
+    if words is None:  # the undamaged file resumes
+        assert int(catch.load(args, template, 16, "hint")["update"]) == 2
+        return
+    with pytest.raises(SystemExit) as exit_info:
+        catch.load(args, template, 16, "hint")
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.startswith(f"error: --resume {args.resume!r} ") and words in err, err
+    assert err.count("\n") == 1 and "junk" not in read
 
 
 # ---- A dead peer --------------------------------------------------------------------------
@@ -229,6 +266,35 @@ def test_a_run_folder_made_immutable_or_deleted_mid_run_ends_the_run_with_one_li
         assert f"holds update {int(f['update'])}:" in line
     assert tmp.exists() == ("checkpoint.tmp.npz could not be removed: delete it" in line), line
     assert tmp.exists() or not fault.endswith("in it")
+
+
+SECOND_SIGNAL_WHILE_SAVING = """
+import os, signal, sys
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+from conftest import load
+catch = load("anakin_catch.py")
+catch.catch_stop_signals()
+os.kill(os.getpid(), signal.SIGTERM)  # the first: noted, and said
+write = catch.np.savez
+def savez(file, **arrays):  # the second arrives once the temporary file is written, before it is moved into place
+    write(file, **arrays)
+    print("written:", os.path.exists(file), flush=True)
+    os.kill(os.getpid(), signal.SIGTERM)
+catch.np.savez = savez
+folder = Path(sys.argv[2])
+catch.save(catch.Run(folder, None, folder / "checkpoint.npz"), {"w": catch.np.zeros(3)}, catch.Args())
+print("not stopped")
+"""
+
+
+def test_a_second_signal_while_the_checkpoint_is_written_exits_at_once_leaving_no_temporary_file(tmp_path):
+    proc = subprocess.run([sys.executable, "-c", SECOND_SIGNAL_WHILE_SAVING, ROOT / "tests", tmp_path], cwd=tmp_path,
+                          env=_env(1, None), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, proc.stdout + proc.stderr
+    assert proc.stdout.splitlines() == ["SIGTERM: stopping after the update in flight, with a checkpoint; a second "
+                                        "signal stops at once, without one", "written: True"], proc.stdout
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_a_closed_stdout_does_not_stop_training(tmp_path):
@@ -371,6 +437,7 @@ def test_non_finite_loss_before_any_checkpoint_says_none_was_written(tmp_path):
     assert result.returncode == 1, result.output[-3000:]
     (line,) = [line for line in result.output.splitlines() if line.startswith("error:")]
     assert "non-finite loss at update 2" in line and "no checkpoint is in" in line
+    assert re.search(r"'losses/td_loss': (nan|-?inf)[,}]", line) and "array" not in line, line
     assert not (result.run_dir / "checkpoint.npz").exists()
 
 
@@ -391,10 +458,10 @@ def test_a_run_never_writes_into_a_folder_it_did_not_create(tmp_path, monkeypatc
 
 def test_run_folders_stay_flat_inside_run_dir_whatever_exp_name_says(tmp_path, capsys):
     catch = load("anakin_catch.py")
-    for name in ("../../../escaped", "a/b"):
+    for name in ("../../../escaped", "a/b", "two\nlines"):
         run_ = catch.open_run(catch.Args(run_dir=str(tmp_path), exp_name=name))
         run_.events.close()
-        assert run_.folder.parent == tmp_path and name.replace("/", "_") in run_.folder.name
+        assert run_.folder.parent == tmp_path and re.sub(r"[^\w.+-]", "_", name) in run_.folder.name
     with pytest.raises(SystemExit) as exit_info:
         catch.open_run(catch.Args(run_dir=str(tmp_path), exp_name="x" * 300))
     assert exit_info.value.code == 2

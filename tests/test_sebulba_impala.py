@@ -77,6 +77,8 @@ gym.register("NanReward-v0", entry_point=NanReward)
 @pytest.fixture
 def envs_path(tmp_path):
     (tmp_path / "test_envs.py").write_text(TEST_ENVS)
+    (tmp_path / "broken_envs.py").write_text("def (:\n")  # modules that fail to import
+    (tmp_path / "raising_envs.py").write_text("raise RuntimeError('no display')\n")
     return {"PYTHONPATH": str(tmp_path)}
 
 
@@ -421,6 +423,7 @@ def test_a_failing_thread_or_a_nan_ends_the_run_quickly(tmp_path, envs_path, env
         assert "injected actor fault" in result.output
     else:
         assert "Traceback" not in result.output and "no checkpoint is in" in result.output
+        assert "'loss': nan" in result.output and "array(" not in result.output  # numbers, not their reprs
     assert ended - float((tmp_path / "fault_time").read_text()) < 30
 
 
@@ -478,6 +481,8 @@ def mismatched_checkpoint(tmp_path):
     (1, ["--env-id", "Pendulum-v1"], "--env-id"),
     (1, ["--env-id", "../x:Foo-v0"], "--env-id"),
     (1, ["--env-id", "test_envs:FromOne-v0"], "--env-id"),
+    (1, ["--env-id", "broken_envs:X-v0"], "--env-id"),
+    (1, ["--env-id", "raising_envs:X-v0"], "--env-id"),
     (1, ["--env-id", "CartPole-v1", "--machado"], "--machado"),
     (1, ["--env-id", "CartPole-v1", "--network", "shallow"], "--network"),
     (1, ["--env-id", MINATAR, "--network", "shallow"], "--network"),
@@ -487,7 +492,8 @@ def mismatched_checkpoint(tmp_path):
     (1, ["--env-id", "CartPole-v1", "--total-timesteps", 100], "--total-timesteps"),
     (1, ["--env-id", "CartPole-v1", "--resume", "missing.npz"], "--resume"),
     (1, ["--env-id", "CartPole-v1", "--resume", mismatched_checkpoint], "--resume"),
-], ids=["unknown-env", "continuous-actions", "relative-module", "actions-from-1", "machado-not-atari", "shallow-vectors", "shallow-10x10",
+], ids=["unknown-env", "continuous-actions", "relative-module", "actions-from-1", "module-syntax-error",
+        "module-raises", "machado-not-atari", "shallow-vectors", "shallow-10x10",
         "device-out-of-range", "device-reused",
         "envs-not-divisible", "budget-below-one-update", "missing-checkpoint", "mismatched-checkpoint"])
 def test_bad_input_is_one_error_line_naming_the_flag(tmp_path, envs_path, devices, flags, flag):
@@ -496,3 +502,5 @@ def test_bad_input_is_one_error_line_naming_the_flag(tmp_path, envs_path, device
     assert line.startswith(f"error: {flag} ")
     if "Breakout-v55" in flags:
         assert "Breakout-v5" in line  # close matches suggested
+    if flags[1] in ("broken_envs:X-v0", "raising_envs:X-v0"):  # the module and its own error named
+        assert f"module {flags[1].split(':')[0]!r} (" in line and ("SyntaxError" in line or "no display" in line)
