@@ -36,6 +36,7 @@ import math
 import os
 import queue
 import signal
+import socket
 import sys
 import threading
 import time
@@ -45,6 +46,13 @@ from dataclasses import dataclass
 from functools import cache, partial
 from pathlib import Path
 from typing import Literal, NamedTuple
+
+# Stop signals are noted from the script's first lines (a second one exits at once): raised as a
+# KeyboardInterrupt while JAX starts, one can be swallowed and the run trains on. `catch_stop_signals` acts.
+STOP_SIGNALS = []
+if __name__ == "__main__":
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, lambda n, _: os._exit(128 + n) if STOP_SIGNALS else STOP_SIGNALS.append(n))
 
 import jax
 import jax.numpy as jnp
@@ -120,6 +128,8 @@ class Args:
     """number of processes (multi-host)"""
     process_id: int | None = None
     """index of this process (multi-host)"""
+    peer_timeout: int = 300
+    """seconds to wait for every process of a multi-host run to join before giving up"""
 
 
 # Defaults that depend on the observations. Images: the IMPALA paper's Atari settings
@@ -787,7 +797,7 @@ def check_sizes(args, layout, env):
 def main(args):
     caught = catch_stop_signals()
     args, env = check_args(args)
-    start_distributed(args)
+    start_distributed(args, caught)
     layout = pick_devices(args)
     batch = check_sizes(args, layout, env)
     num_updates = args.total_timesteps // batch
@@ -847,19 +857,68 @@ def check_seed(seed, limit):
              "or are refused by the environments")
 
 
-def start_distributed(args):
-    """With --distributed, join a multi-host run (if a process dies, JAX's heartbeat ends the others)."""
+def start_distributed(args, caught):
+    """With --distributed, join a multi-host run (if a process dies later, JAX's heartbeat ends the others).
+    JAX's join blocks and aborts when it times out, so it runs in a thread: the wait stays bounded and a stop
+    signal ends it. Then every process checks that all run the same code with the same flags."""
     given = [n for n in ("coordinator_address", "num_processes", "process_id") if getattr(args, n) is not None]
     if given and not args.distributed:
         given = ", ".join("--" + n.replace("_", "-") for n in given)
         fail(f"{given} only apply to a multi-host run: add --distributed")
-    if args.distributed:
-        jax.config.update("jax_enable_preemption_service", False)  # it would take SIGTERM from us
-        try:
-            jax.distributed.initialize(args.coordinator_address, args.num_processes, args.process_id)
-        except (ValueError, TypeError, RuntimeError) as e:
-            fail(f"--distributed: {str(e).splitlines()[0]} (outside a cluster JAX detects (SLURM, Cloud TPU, "
-                 "Kubernetes), give --coordinator-address, --num-processes and --process-id)")
+    if not args.distributed:
+        return
+    jax.config.update("jax_enable_preemption_service", False)  # it would take SIGTERM from us
+    address = args.coordinator_address
+    if address and args.process_id == 0:  # JAX's server fails obscurely on a port in use
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(("", int(address.rpartition(":")[2])))
+            except (OSError, ValueError, OverflowError) as e:
+                fail(f"--coordinator-address {address}: process 0 cannot listen there ({getattr(e, 'strerror', e)}:"
+                     " another process 0 or another program holds the port?)")
+    errors = []
+
+    def join():
+        try:  # JAX's own timeout aborts the process: ours comes first
+            jax.distributed.initialize(address, args.num_processes, args.process_id,
+                                       initialization_timeout=args.peer_timeout + 60)
+        except Exception as e:
+            errors.append(e)
+
+    joining = threading.Thread(target=join, daemon=True)
+    joining.start()
+    say(f"waiting for {args.num_processes or 'all'} processes at {address or 'the address JAX detects'} (at most "
+        f"--peer-timeout {args.peer_timeout} s)")
+    deadline = time.monotonic() + args.peer_timeout
+    while joining.is_alive() and not caught and time.monotonic() < deadline:
+        joining.join(timeout=0.2)
+    if caught:
+        exit_now(128 + caught[0], None, f"stopped by {signal.Signals(caught[0]).name} while waiting for the other "
+                                        "processes, before any update")
+    if joining.is_alive() or errors:
+        why = str(errors[0]).splitlines()[0] if errors else f"not all joined in --peer-timeout {args.peer_timeout} s"
+        exit_now(2, None, f"error: --distributed: {why} (start every process with the same --coordinator-address and "
+                          "--num-processes and its own --process-id; outside a cluster JAX detects (SLURM, Cloud TPU, "
+                          "Kubernetes) give all three)")
+    agree(args)
+
+
+def agree(args):
+    """Every process compares its script and the flags that define the run (all but the per-host ones) with
+    every other's: a difference is one line on each, exit status 2, before anything is compiled."""
+    per_host = ("process_id", "coordinator_address", "run_dir", "exp_name", "peer_timeout")
+    mine = {n: v for n, v in dataclasses.asdict(args).items() if n not in per_host}
+    mine["script"] = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:12]
+    text = np.frombuffer(json.dumps(mine).encode(), np.uint8)
+    size = int(np.max(multihost_utils.process_allgather(np.int32(text.size))))
+    runs = [json.loads(bytes(t).rstrip(b"\0")) for t in multihost_utils.process_allgather(
+        np.pad(text, (0, size - text.size)))]
+    for i, theirs in enumerate(runs[1:], 1):
+        for name in [n for n in runs[0] if theirs.get(n) != runs[0][n]]:
+            what = "a script whose sha256 starts" if name == "script" else f"--{name.replace('_', '-')}"
+            exit_now(2, None, f"error: process {i} runs with {what} {json.dumps(theirs.get(name))}, process 0 with "
+                              f"{json.dumps(runs[0][name])}: every process needs the same")
 
 
 class Run(NamedTuple):
@@ -893,7 +952,12 @@ SAVING = []  # the temporary file `save` is writing, if any: a second stop signa
 def catch_stop_signals():
     """SIGINT (Ctrl-C), SIGTERM (SLURM, Kubernetes) and SIGHUP (a closed terminal) are only noted, as raising
     inside JAX or envpool could hang; `safe_point` acts on them. A second signal exits at once."""
-    caught = []
+    caught = STOP_SIGNALS  # one noted since the script's first lines counts
+
+    def tell(signum):
+        with contextlib.suppress(OSError):  # os.write: this may interrupt a print
+            os.write(sys.stdout.fileno(), f"{signal.Signals(signum).name}: stopping after the update in flight, "
+                     "with a checkpoint; a second signal stops at once, without one\n".encode())
 
     def note(signum, _):
         if caught:
@@ -902,12 +966,12 @@ def catch_stop_signals():
                     tmp.unlink(missing_ok=True)
             os._exit(128 + signum)
         caught.append(signum)
-        with contextlib.suppress(OSError):  # os.write: this may interrupt a print
-            os.write(sys.stdout.fileno(), f"{signal.Signals(signum).name}: stopping after the update in flight, "
-                     "with a checkpoint; a second signal stops at once, without one\n".encode())
+        tell(signum)
 
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, note)
+    if caught:
+        tell(caught[0])
     return caught
 
 
@@ -969,7 +1033,7 @@ def load(args, template, batch, hint):
         fail(f"--resume {args.resume!r} does not match this run: it records no flags as a JSON object ({hint})")
     now = json.loads(json.dumps(dataclasses.asdict(args)))
     free = ("total_timesteps", "log_every", "checkpoint_every", "run_dir", "exp_name", "resume", "distributed",
-            "coordinator_address", "num_processes", "process_id")
+            "coordinator_address", "num_processes", "process_id", "peer_timeout")
     for name in [n for n in now if n not in free and saved.get(n) != now[n]]:
         fail(f"--resume {args.resume!r} comes from a run with --{name.replace('_', '-')} {json.dumps(saved.get(name))},"
              f" not {json.dumps(now[name])} (a resumed run may change only the budget, logging, checkpoint and folder "
@@ -986,10 +1050,11 @@ def load(args, template, batch, hint):
 
 
 def exit_now(code, run, line):
-    """Say `line` and what is on disk; exit at once (a normal exit could wait on envpool, XLA or a dead peer)."""
-    if run.folder is None:
+    """Say `line` and what is on disk; exit at once (a normal exit could wait on envpool, XLA or a dead peer).
+    Without a run yet (`run` None), only the line."""
+    if run is not None and run.folder is None:
         line += "; process 0 holds the checkpoints"
-    else:
+    elif run is not None:
         try:
             with np.load(run.checkpoint) as f:
                 line += f"; the checkpoint {run.checkpoint} holds update {int(f['update'])}: --resume it to go on"
@@ -998,7 +1063,7 @@ def exit_now(code, run, line):
         with contextlib.suppress(OSError):
             run.events.close()
     with contextlib.suppress(OSError):  # a closed stdout or stderr
-        print(line, file=sys.stderr if code == 1 else sys.stdout, flush=True)
+        print(line, file=sys.stdout if code >= 128 else sys.stderr, flush=True)
     os._exit(code)
 
 

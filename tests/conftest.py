@@ -117,26 +117,31 @@ def free_port():
         return s.getsockname()[1]
 
 
-def spawn_two_hosts(script, args, tmp_path, devices=2, env=None):
+def host_flags(port, pid, num_processes=2):
+    """The flags of process `pid` of a `jax.distributed` job whose coordinator is 127.0.0.1:`port`."""
+    return ["--distributed", "--coordinator-address", f"127.0.0.1:{port}", "--num-processes", num_processes,
+            "--process-id", pid]
+
+
+def spawn_two_hosts(script, args, tmp_path, devices=2, env=None, extra=((), ())):
     """Start `script` as two processes of one `jax.distributed` job on 127.0.0.1, each with
-    `devices` fake CPU devices and its own folder; returns the Popens and their run roots."""
+    `devices` fake CPU devices, its own folder and its own `extra` flags; returns the Popens and
+    their run roots."""
     port = free_port()
     procs, roots = [], []
     for pid in range(2):
         root = Path(tmp_path) / f"host{pid}"
         root.mkdir(parents=True, exist_ok=True)
-        host_args = [*args, "--run-dir", root / "runs", "--distributed",
-                     "--coordinator-address", f"127.0.0.1:{port}",
-                     "--num-processes", 2, "--process-id", pid]
+        host_args = [*args, *extra[pid], "--run-dir", root / "runs", *host_flags(port, pid)]
         procs.append(spawn(script, host_args, root, devices, env))
         roots.append(root / "runs")
     return procs, roots
 
 
-def run_two_hosts(script, args, tmp_path, devices=2, timeout=600, env=None):
+def run_two_hosts(script, args, tmp_path, devices=2, timeout=600, env=None, extra=((), ())):
     """Run `script` as two processes of one `jax.distributed` job on 127.0.0.1 (`spawn_two_hosts`)
     and wait for both; returns both Results."""
-    procs, roots = spawn_two_hosts(script, args, tmp_path, devices, env)
+    procs, roots = spawn_two_hosts(script, args, tmp_path, devices, env, extra)
     results = []
     try:
         for proc, root in zip(procs, roots):

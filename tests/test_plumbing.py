@@ -12,6 +12,7 @@ import re
 import shutil
 import sys
 import signal
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -19,7 +20,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import ROOT, Result, _env, catches, command, error_line, load, run, spawn, spawn_two_hosts
+from conftest import (ROOT, Result, _env, catches, command, error_line, free_port, host_flags, load, run,
+                      run_two_hosts, spawn, spawn_two_hosts)
 
 SCRIPTS = ["anakin_catch.py", "anakin_ppo.py", "sebulba_impala.py", "sebulba_ppo_atari.py"]
 # The smallest real run of each script, and the steps of one of its updates.
@@ -47,7 +49,7 @@ def test_the_plumbing_section_is_the_same_text_in_all_four_scripts_after_main():
         assert name in first
     for script in SCRIPTS:  # an appendix: the script's own code, main last, comes before it
         text = (ROOT / script).read_text()
-        assert text.index("\ndef main(") < text.index("\n# ---- Plumbing") < text.index("\nif __name__")
+        assert text.index("\ndef main(") < text.index("\n# ---- Plumbing") < text.rindex("\nif __name__")
     for script in SCRIPTS[1:]:
         diff = "\n".join(difflib.unified_diff(first.splitlines(), section(script).splitlines(),
                                               SCRIPTS[0], script, lineterm=""))
@@ -157,7 +159,124 @@ def test_a_damaged_checkpoint_is_one_error_line_and_its_unknown_arrays_stay_unre
     assert err.count("\n") == 1 and "junk" not in read
 
 
-# ---- A dead peer --------------------------------------------------------------------------
+def test_a_sigint_while_jax_is_imported_stops_the_run_before_any_update(tmp_path):
+    # Sent once jaxlib's libraries are mapped, while `import jax` runs: a KeyboardInterrupt raised there could
+    # be swallowed and the run would train to the end, so the stop handlers are installed before it.
+    script = "sebulba_impala.py"
+    proc = spawn(script, [*quick(script), "--run-dir", tmp_path / "runs"], tmp_path)
+    try:
+        deadline = time.monotonic() + 60
+        while "jaxlib" not in Path(f"/proc/{proc.pid}/maps").read_text() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        proc.send_signal(signal.SIGINT)
+        output = proc.communicate(timeout=300)[0]
+    finally:
+        proc.kill()
+    assert proc.returncode == 130 and "stopped by SIGINT after update 0" in output, output[-3000:]
+    assert "Traceback" not in output and "Exception ignored" not in output and "update 1/" not in output, output
+    with np.load(next((tmp_path / "runs").glob("*/checkpoint.npz")), allow_pickle=False) as f:
+        assert int(f["update"]) == 0
+
+
+# ---- Multi-host: peers agree before they train, a missing one is a bounded wait, a dead one ends the run ----
+
+def with_flag(flags, flag, value):
+    """`flags` with `flag` set to `value` (replaced where it is already given)."""
+    flags = list(flags)
+    if flag in flags:
+        flags[flags.index(flag) + 1] = value
+        return flags
+    return [*flags, flag, value]
+
+
+@pytest.mark.parametrize("script,flag,values", [
+    ("anakin_catch.py", "--total-timesteps", (400_000, 800_000)),
+    ("anakin_catch.py", "--num-envs-per-device", (8, 16)),
+    ("anakin_catch.py", "--seed", (1, 2)),
+    ("sebulba_impala.py", "--env-id", ("CartPole-v1", "Acrobot-v1")),
+])
+def test_peers_started_with_different_flags_both_refuse_before_compiling(tmp_path, script, flag, values):
+    start = time.monotonic()
+    hosts = run_two_hosts(script, quick(script), tmp_path, timeout=120,
+                          extra=[with_flag([], flag, value) for value in values])
+    for host in hosts:
+        line = error_line(host)
+        assert line == (f"error: process 1 runs with {flag} {json.dumps(values[1])}, process 0 with "
+                        f"{json.dumps(values[0])}: every process needs the same"), host.output[-3000:]
+        assert "update 1/" not in host.output and host.run_dir is None
+    assert time.monotonic() - start < 90
+
+
+@pytest.mark.parametrize("pid", [0, 1])
+def test_a_process_whose_peer_never_comes_says_so_and_gives_up_after_peer_timeout(tmp_path, pid):
+    port = free_port()
+    start = time.monotonic()
+    result = run("anakin_catch.py", [*quick("anakin_catch.py"), *host_flags(port, pid), "--peer-timeout", 5],
+                 tmp_path, devices=2, timeout=120)
+    line = error_line(result)
+    assert f"waiting for 2 processes at 127.0.0.1:{port} (at most --peer-timeout 5 s)" in result.output
+    assert line.startswith("error: --distributed: not all joined in --peer-timeout 5 s (start every process")
+    assert time.monotonic() - start < 60 and result.run_dir is None
+
+
+def wait_for_line(proc, words, seconds=120):
+    """Read `proc`'s output until a line holds `words`; returns what was read."""
+    lines, deadline = [], time.monotonic() + seconds
+    while time.monotonic() < deadline and (line := proc.stdout.readline()):
+        lines.append(line)
+        if words in line:
+            return "".join(lines)
+    raise AssertionError(f"no line with {words!r} in:\n{''.join(lines)[-3000:]}")
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP], ids=lambda s: s.name)
+def test_a_stop_signal_ends_the_wait_for_a_peer_within_seconds(tmp_path, signum):
+    proc = spawn("anakin_catch.py", [*quick("anakin_catch.py"), *host_flags(free_port(), 1), "--run-dir",
+                                     tmp_path / "runs"], tmp_path, devices=2)
+    try:
+        wait_for_line(proc, "waiting for 2 processes at")
+        sent = time.monotonic()
+        proc.send_signal(signum)
+        output = proc.communicate(timeout=60)[0]
+        took = time.monotonic() - sent
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signum and took < 10, (took, output[-3000:])
+    assert f"stopped by {signum.name} while waiting for the other processes, before any update" in output
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_coordinator_port_in_use_is_one_error_line(tmp_path):
+    with socket.socket() as other:  # another program listens on the port
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        port = other.getsockname()[1]
+        result = run("anakin_catch.py", [*quick("anakin_catch.py"), *host_flags(port, 0)], tmp_path, devices=2,
+                     timeout=120)
+    line = error_line(result)
+    assert line.startswith(f"error: --coordinator-address 127.0.0.1:{port}: process 0 cannot listen there (Address "
+                           "already in use")
+
+
+def test_two_processes_given_process_id_0_are_each_one_error_line(tmp_path):
+    port = free_port()
+    first = spawn("anakin_catch.py", [*quick("anakin_catch.py"), *host_flags(port, 0), "--peer-timeout", 10,
+                                      "--run-dir", tmp_path / "first"], tmp_path, devices=2)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:  # until the first one's coordinator listens
+            with socket.socket() as probe:
+                if probe.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            time.sleep(0.1)
+        second = run("anakin_catch.py", [*quick("anakin_catch.py"), *host_flags(port, 0)], tmp_path / "second",
+                     devices=2, timeout=120)
+        assert f"--coordinator-address 127.0.0.1:{port}: process 0 cannot listen there" in error_line(second)
+        output = first.communicate(timeout=120)[0]
+    finally:
+        first.kill()
+    assert "not all joined in --peer-timeout 10 s" in error_line(Result(first.returncode, output))
+
 
 def test_a_dead_peer_ends_the_survivor_and_its_last_checkpoint_resumes(tmp_path):
     script, args = "anakin_catch.py", ["--num-envs-per-device", 32, "--log-every", 5, "--checkpoint-every", 10]
