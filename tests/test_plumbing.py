@@ -63,6 +63,18 @@ def quick(script, *flags, budget=10**9):
 
 # ---- Stop signals -------------------------------------------------------------------------
 
+def signal_once(proc, ready, signum):
+    """Send `signum` to `proc` once `ready()` holds (at most a minute on); return its output when it has ended."""
+    try:
+        deadline = time.monotonic() + 60
+        while not ready() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        proc.send_signal(signum)
+        return proc.communicate(timeout=300)[0]
+    finally:
+        proc.kill()
+
+
 @pytest.fixture(scope="module")
 def stopped_early(tmp_path_factory):
     """Each script sent SIGTERM the moment its handler is installed, before anything is
@@ -73,14 +85,7 @@ def stopped_early(tmp_path_factory):
         if script not in cache:
             folder = tmp_path_factory.mktemp(Path(script).stem)
             proc = spawn(script, [*quick(script), "--run-dir", folder / "runs"], folder)
-            try:
-                deadline = time.monotonic() + 60
-                while not catches(proc, signal.SIGTERM) and time.monotonic() < deadline:
-                    time.sleep(0.01)
-                proc.send_signal(signal.SIGTERM)
-                output = proc.communicate(timeout=300)[0]
-            finally:
-                proc.kill()
+            output = signal_once(proc, lambda: catches(proc, signal.SIGTERM), signal.SIGTERM)
             cache[script] = (proc.returncode, output, next((folder / "runs").glob("*/checkpoint.npz"), None))
         return cache[script]
 
@@ -164,14 +169,7 @@ def test_a_sigint_while_jax_is_imported_stops_the_run_before_any_update(tmp_path
     # be swallowed and the run would train to the end, so the stop handlers are installed before it.
     script = "sebulba_impala.py"
     proc = spawn(script, [*quick(script), "--run-dir", tmp_path / "runs"], tmp_path)
-    try:
-        deadline = time.monotonic() + 60
-        while "jaxlib" not in Path(f"/proc/{proc.pid}/maps").read_text() and time.monotonic() < deadline:
-            time.sleep(0.001)
-        proc.send_signal(signal.SIGINT)
-        output = proc.communicate(timeout=300)[0]
-    finally:
-        proc.kill()
+    output = signal_once(proc, lambda: "jaxlib" in Path(f"/proc/{proc.pid}/maps").read_text(), signal.SIGINT)
     assert proc.returncode == 130 and "stopped by SIGINT after update 0" in output, output[-3000:]
     assert "Traceback" not in output and "Exception ignored" not in output and "update 1/" not in output, output
     with np.load(next((tmp_path / "runs").glob("*/checkpoint.npz")), allow_pickle=False) as f:
@@ -197,8 +195,8 @@ def with_flag(flags, flag, value):
 ])
 def test_peers_started_with_different_flags_both_refuse_before_compiling(tmp_path, script, flag, values):
     start = time.monotonic()
-    hosts = run_two_hosts(script, quick(script), tmp_path, timeout=120,
-                          extra=[with_flag([], flag, value) for value in values])
+    hosts = run_two_hosts(script, [], tmp_path, timeout=120,
+                          extra=[with_flag(quick(script), flag, value) for value in values])
     for host in hosts:
         line = error_line(host)
         assert line == (f"error: process 1 runs with {flag} {json.dumps(values[1])}, process 0 with "
