@@ -15,7 +15,7 @@ Each seed is interpolated onto the x values of all seeds, over the range they al
     python tests/plot.py runs/*MinAtar* -o minatar.png --panels --ref "random=0.5@Asterix" --ref "random=0.46@Breakout"
 
 --panels draws one panel per env id; a reference ending in @ENV is drawn only in the panels
-whose env id contains ENV. --join takes the folders of one env id and seed as one run and its
+whose env id contains ENV. --join takes the folders of one script (the same flag names), env id and seed as one run and its
 resumptions (`--resume` starts a new folder), ordered by their first step: one seed, named
 after its first piece, with a dotted line where each resumption starts.
 
@@ -46,6 +46,7 @@ class Run(NamedTuple):
     seed: str
     num_seeds: int  # anakin_ppo's --num-seeds (1 elsewhere): its charts/SPS counts every seed's steps
     rows: list  # metrics.jsonl, one dict a line
+    flags: frozenset = frozenset()  # args.json's names: which script made the run
 
 
 class Bar(NamedTuple):
@@ -102,7 +103,7 @@ def read_run(folder):
     args_file = folder / "args.json"
     args = read_json(args_file, args_file.read_text()) if args_file.is_file() else {}
     return Run(folder, args.get("env_id", env_id), args.get("exp_name", exp_name), str(args.get("seed", seed)),
-               args.get("num_seeds", 1), rows)
+               args.get("num_seeds", 1), rows, frozenset(args))
 
 
 def seed_columns(run, y):
@@ -155,19 +156,19 @@ def group_seeds(runs, y, x_axis):
 
 
 def join(runs, x_axis):
-    """--join: the runs of each env id and seed as one run and its resumptions. Returns the joined
+    """--join: the runs of each script, env id and seed as one run and its resumptions. Returns the joined
     runs and {env_id: x of each resumption's start}."""
     pieces, joined, resumes = {}, [], {}
     for run in runs:
         if run.rows:
-            pieces.setdefault((run.env_id, run.seed), []).append(run)
+            pieces.setdefault((run.flags, run.env_id, run.seed), []).append(run)
         else:  # left out later, with a warning
             joined.append(run)
-    for (env_id, _), group in pieces.items():
+    for (_, env_id, _), group in pieces.items():
         group.sort(key=lambda run: run.rows[0]["global_step"])
         for before, after in zip(group, group[1:]):
             if after.rows[0]["global_step"] <= before.rows[-1]["global_step"]:
-                fail(f"--join: {after.folder} and {before.folder} have the same env id and seed but overlap "
+                fail(f"--join: {after.folder} and {before.folder} have the same script, env id and seed but overlap "
                      f"(one does not start after the other's last step)")
         run = group[0]._replace(rows=[row for piece in group for row in piece.rows])
         starts = list(itertools.accumulate(len(piece.rows) for piece in group))[:-1]
@@ -304,7 +305,7 @@ def parse_args(argv):
                              "in the panels whose env id contains ENV")
     parser.add_argument("--panels", action="store_true", help="one panel per env id")
     parser.add_argument("--join", action="store_true",
-                        help="the folders of one env id and seed are one run and its resumptions")
+                        help="the folders of one script, env id and seed are one run and its resumptions")
     parser.add_argument("--title", help="title above the plot")
     args = parser.parse_args(argv)
     if bool(args.runs) == bool(args.speed):

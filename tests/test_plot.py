@@ -144,8 +144,17 @@ def test_join_makes_one_curve_of_a_run_and_its_resumption_with_a_line_at_the_res
     assert "sebulba_ppo_atari (1 seed)" in line.get_label()  # named after the first piece
     again = write_run(tmp_path / "c", "Pong-v5", "again", 1, rows([0, 1], steps=STEPS[-1] + STEPS[:2]))
     overlap = run(SCRIPT, [first, resumed, again, "-o", tmp_path / "overlap.png", "--join"], tmp_path, run_dir=False)
-    assert "have the same env id and seed but overlap" in error_line(overlap)
+    assert "have the same script, env id and seed but overlap" in error_line(overlap)
     assert not (tmp_path / "overlap.png").exists()
+
+
+def test_join_keeps_two_scripts_of_one_env_and_seed_apart(tmp_path):
+    ppo = write_run(tmp_path / "a", "Pong-v5", "sebulba_ppo_atari", 1, rows([1, 2, 3, 4, 5]))
+    impala = write_run(tmp_path / "b", "Pong-v5", "sebulba_impala", 1, rows([5, 4, 3, 2, 1]))
+    args = json.loads((impala / "args.json").read_text())
+    (impala / "args.json").write_text(json.dumps({**args, "vtrace_lambda": 1.0}))  # another script's flags
+    means, _, _ = curves(draw([ppo, impala], tmp_path, "--join")[0])
+    assert sorted(list(line.get_ydata()) for line in means.values()) == [[1, 2, 3, 4, 5], [5, 4, 3, 2, 1]]
 
 
 def test_join_with_panels_joins_each_seeds_pieces_in_its_own_panel(tmp_path):
