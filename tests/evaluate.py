@@ -1,6 +1,7 @@
 """Score and watch a trained agent: whole games played with the policy of a run's checkpoint.npz.
 
 usage: python tests/evaluate.py CHECKPOINT [--episodes N] [--greedy] [--seed S] [--agent I] [--gif FILE]
+                                           [--gif-every K]
 
 A checkpoint records its run's flags, and their names are the fields of one script's `Args`: that
 says which of the four scripts wrote it. That script's own pieces then play, loaded by the test
@@ -17,6 +18,7 @@ favoured; the mean, std, min and max of the scores and lengths (agent steps) are
 Atari in envpool's colour (from a twin of the first env: same seed, same actions, so the same game),
 MinAtar's channels in colour, the boards of Catch the agent acted on, CartPole's cart and pole,
 Pendulum's pendulum (drawn from the observations; other vector envs have no picture).
+--gif-every K keeps every K-th step, to keep a long game's GIF small.
 --agent picks one agent of an `anakin_ppo.py --num-seeds N` run (default: the first).
 """
 
@@ -322,11 +324,15 @@ def parse_args(argv):
     parser.add_argument("--seed", type=int, default=0, help="seeds the envs and the action sampling")
     parser.add_argument("--agent", type=int, default=0, help="the agent of an anakin_ppo.py --num-seeds run")
     parser.add_argument("--gif", type=Path, help="write the first game as an animated GIF")
+    parser.add_argument("--gif-every", type=int, default=1, metavar="K",
+                        help="keep every K-th step in the GIF, each shown K times as long (a whole Atari game: 2)")
     args = parser.parse_args(argv)
     if args.episodes < 1:
         fail(f"--episodes {args.episodes} must be at least 1")
     if not 0 <= args.seed < 2**31 - args.episodes:  # envpool seeds env i with seed + i, an int32
         fail(f"--seed {args.seed} must be in 0..{2**31 - args.episodes - 1:,}")
+    if args.gif_every < 1:
+        fail(f"--gif-every {args.gif_every} must be at least 1")
     if args.gif and not args.gif.parent.is_dir():
         fail(f"--gif {args.gif}: folder {args.gif.parent} does not exist")
     return args
@@ -362,8 +368,8 @@ def main(argv=None):
     frames = []
     if opts.gif:
         draw, frame_seconds = picture
-        frames = [draw(obs) for obs in shown]
-        write_gif(opts.gif, frames, frame_seconds)
+        frames = [draw(obs) for obs in shown[::opts.gif_every]]
+        write_gif(opts.gif, frames, frame_seconds * opts.gif_every)
         print(f"wrote {opts.gif}: game 1 (score {scores[0]:g}), {len(frames)} frames, "
               f"{opts.gif.stat().st_size / 1000:.0f} KB")
     return Evaluation(scores, lengths, seconds, frames)

@@ -65,6 +65,12 @@ def test_a_short_runs_checkpoint_plays_whole_games_and_its_gif_shows_each_step_o
     assert "3 games, sampled actions" in out and "score   mean" in out and "length  mean" in out
 
 
+def test_gif_every_keeps_every_kth_step_each_shown_k_times_as_long(checkpoints, tmp_path):
+    result, frames = evaluate_gif(checkpoints["catch"], tmp_path / "game.gif", "--episodes", 1, "--gif-every", 3)
+    assert len(result.frames) == -(-result.lengths[0] // 3)
+    assert sum(ms for _, ms in frames) == len(result.frames) * 3 * RUNS["catch"][2]
+
+
 def as_at_the_start(checkpoint, path):
     """A copy of an anakin_catch.py checkpoint with the parameters its run started from."""
     catch = load("anakin_catch.py")
@@ -130,6 +136,7 @@ def test_foreign_files_and_bad_flags_are_refused(checkpoints, tmp_path, capsys):
     assert "is not a readable checkpoint" in refused([tmp_path / "missing.npz"], capsys)
     assert "--episodes 0 must be at least 1" in refused([checkpoints["catch"], "--episodes", 0], capsys)
     assert "does not exist" in refused([checkpoints["catch"], "--gif", tmp_path / "no" / "x.gif"], capsys)
+    assert "--gif-every 0 must be at least 1" in refused([checkpoints["catch"], "--gif-every", 0], capsys)
 
 
 def test_a_checkpoint_whose_arrays_do_not_fit_its_flags_is_refused(checkpoints, tmp_path, capsys):
