@@ -15,9 +15,9 @@ Each seed is interpolated onto the x values of all seeds, over the range they al
     python tests/plot.py runs/*MinAtar* -o minatar.png --panels --ref "random=0.5@Asterix" --ref "random=0.46@Breakout"
 
 --panels draws one panel per env id; a reference ending in @ENV is drawn only in the panels
-whose env id contains ENV. --join takes the folders of one script (the same flag names), env id and seed as one run and its
-resumptions (`--resume` starts a new folder), ordered by their first step: one seed, named
-after its first piece, with a dotted line where each resumption starts.
+whose env id contains ENV. --join takes the folders of one script (the same flag names), env id
+and seed as one run and its resumptions (`--resume` starts a new folder), ordered by their first
+step: one seed, named after its first piece, with a dotted line where each resumption starts.
 
 --speed draws tests/benchmark.py's benchmark.json instead: for every row, its training SPS
 beside the bound it was measured against (the `... SPS` column that is not `train SPS`), on a
@@ -46,7 +46,7 @@ class Run(NamedTuple):
     seed: str
     num_seeds: int  # anakin_ppo's --num-seeds (1 elsewhere): its charts/SPS counts every seed's steps
     rows: list  # metrics.jsonl, one dict a line
-    flags: frozenset = frozenset()  # args.json's names: which script made the run
+    flags: frozenset  # args.json's names: which script made the run
 
 
 class Bar(NamedTuple):
@@ -156,8 +156,8 @@ def group_seeds(runs, y, x_axis):
 
 
 def join(runs, x_axis):
-    """--join: the runs of each script, env id and seed as one run and its resumptions. Returns the joined
-    runs and {env_id: x of each resumption's start}."""
+    """--join: the runs of each script, env id and seed as one run and its resumptions. Returns the
+    joined runs and {env_id: x of each resumption's start}."""
     pieces, joined, resumes = {}, [], {}
     for run in runs:
         if run.rows:
@@ -168,8 +168,8 @@ def join(runs, x_axis):
         group.sort(key=lambda run: run.rows[0]["global_step"])
         for before, after in zip(group, group[1:]):
             if after.rows[0]["global_step"] <= before.rows[-1]["global_step"]:
-                fail(f"--join: {after.folder} and {before.folder} have the same script, env id and seed but overlap "
-                     f"(one does not start after the other's last step)")
+                fail(f"--join: {after.folder} and {before.folder} have the same script, env id and seed but "
+                     f"overlap (one does not start after the other's last step)")
         run = group[0]._replace(rows=[row for piece in group for row in piece.rows])
         starts = list(itertools.accumulate(len(piece.rows) for piece in group))[:-1]
         joined.append(run)

@@ -15,13 +15,12 @@ RETURN = "charts/episodic_return"
 STEPS = np.arange(1, 6) * 100.0  # global_step of the five rows every synthetic run logs
 
 
-def write_run(root, env_id, exp_name, seed, rows, num_seeds=None, with_args=True):
-    """A run folder as the scripts leave it: args.json (unless `with_args` is False) and metrics.jsonl."""
+def write_run(root, env_id, exp_name, seed, rows, with_args=True, **flags):
+    """A run folder as the scripts leave it: args.json (unless `with_args` is False, with `flags` added)
+    and metrics.jsonl."""
     folder = root / f"{env_id}__{exp_name}__{seed}__{1700000000 + seed}"
     folder.mkdir(parents=True)
-    args = {"env_id": env_id, "exp_name": exp_name, "seed": seed}
-    if num_seeds is not None:
-        args["num_seeds"] = num_seeds
+    args = {"env_id": env_id, "exp_name": exp_name, "seed": seed, **flags}
     if with_args:
         (folder / "args.json").write_text(json.dumps(args))
     (folder / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
@@ -150,9 +149,8 @@ def test_join_makes_one_curve_of_a_run_and_its_resumption_with_a_line_at_the_res
 
 def test_join_keeps_two_scripts_of_one_env_and_seed_apart(tmp_path):
     ppo = write_run(tmp_path / "a", "Pong-v5", "sebulba_ppo_atari", 1, rows([1, 2, 3, 4, 5]))
-    impala = write_run(tmp_path / "b", "Pong-v5", "sebulba_impala", 1, rows([5, 4, 3, 2, 1]))
-    args = json.loads((impala / "args.json").read_text())
-    (impala / "args.json").write_text(json.dumps({**args, "vtrace_lambda": 1.0}))  # another script's flags
+    impala = write_run(tmp_path / "b", "Pong-v5", "sebulba_impala", 1, rows([5, 4, 3, 2, 1]),
+                       vtrace_lambda=1.0)  # another script's flags
     means, _, _ = curves(draw([ppo, impala], tmp_path, "--join")[0])
     assert sorted(list(line.get_ydata()) for line in means.values()) == [[1, 2, 3, 4, 5], [5, 4, 3, 2, 1]]
 
