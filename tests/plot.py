@@ -4,6 +4,7 @@ with a min-max band.
 usage: python tests/plot.py RUN_FOLDER... -o FILE.png [--x steps|time] [--y SCALAR]
                             [--ref LABEL=VALUE[@ENV] ...] [--panels | --join] [--title T]
        python tests/plot.py --speed benchmark.json -o FILE.png [--title T]
+       python tests/plot.py --pack RUN_FOLDER...
 
 Runs are grouped by env id and experiment name (from `args.json`, else from the folder
 name `{env_id}__{exp_name}__{seed}__{time}`); each run is one seed, except an
@@ -22,9 +23,13 @@ step: one seed, named after its first piece, with a dotted line where each resum
 --speed draws tests/benchmark.py's benchmark.json instead: for every row, its training SPS
 beside the bound it was measured against (the `... SPS` column that is not `train SPS`), on a
 log scale, with the ratio written at the end of the training bar.
+
+--pack makes copied run folders light enough to keep in the repository (`pack` says how); the
+drawing reads metrics.jsonl or the packed metrics.jsonl.xz alike.
 """
 
 import argparse
+import lzma
 import itertools
 import json
 import math
@@ -37,6 +42,7 @@ from typing import NamedTuple
 import numpy as np
 
 X_LABELS = {"steps": "environment steps", "time": "training wall-clock seconds"}
+RUN_BUDGET = 1_000_000  # bytes a run folder kept in tests/figures/runs/ may hold (tests/figures/README.md)
 
 
 class Run(NamedTuple):
@@ -89,21 +95,50 @@ def read_json(path, text):
         fail(f"{path} is not valid JSON ({e})")
 
 
-def read_run(folder):
-    folder = Path(folder)
-    metrics = folder / "metrics.jsonl"
-    if not metrics.is_file():
-        fail(f"no metrics.jsonl in {folder} (a run folder holds args.json and metrics.jsonl)")
-    lines = metrics.read_text().splitlines()
+def read_rows(folder):
+    """The rows of a run folder's metrics.jsonl, or of metrics.jsonl.xz (a run kept in the repository)."""
+    plain, packed = folder / "metrics.jsonl", folder / "metrics.jsonl.xz"
+    if not (plain.is_file() or packed.is_file()):
+        fail(f"no metrics.jsonl in {folder} (a run folder holds args.json and metrics.jsonl or metrics.jsonl.xz)")
+    metrics = plain if plain.is_file() else packed
+    try:
+        text = metrics.read_text() if metrics == plain else lzma.decompress(metrics.read_bytes()).decode()
+    except (OSError, lzma.LZMAError, UnicodeDecodeError) as e:
+        fail(f"{metrics} cannot be read ({e})")
+    lines = text.splitlines()
+    if lines and not text.endswith("\n"):  # a run killed while it wrote a row leaves that row cut off
+        try:
+            json.loads(lines[-1])
+        except json.JSONDecodeError:
+            print(f"note: {metrics} line {len(lines)} was cut off (a killed run?): left out", file=sys.stderr)
+            lines.pop()
     rows = [read_json(f"{metrics} line {i}", line) for i, line in enumerate(lines, 1) if line.strip()]
     if not all(isinstance(row, dict) and "global_step" in row for row in rows):
         fail(f"{metrics}: every line should be a JSON object with a global_step")
+    return rows
+
+
+def read_run(folder):
+    folder = Path(folder)
+    rows = read_rows(folder)
     parts = folder.name.rsplit("__", 3)  # {env_id}__{exp_name}__{seed}__{time}, if args.json is missing
     env_id, exp_name, seed = parts[:3] if len(parts) == 4 else ("unknown env", folder.name, folder.name)
     args_file = folder / "args.json"
     args = read_json(args_file, args_file.read_text()) if args_file.is_file() else {}
     return Run(folder, args.get("env_id", env_id), args.get("exp_name", exp_name), str(args.get("seed", seed)),
                args.get("num_seeds", 1), rows, frozenset(args))
+
+
+def pack(folder):
+    """--pack: a run folder as the repository keeps it (tests/figures/README.md, "Adding a run"): every row,
+    floats to 6 significant digits (float32 holds about 7; pictures and tables need 3), compressed by xz
+    in place of metrics.jsonl. Returns the folder's size in bytes."""
+    folder = Path(folder)
+    rounded = lambda x: float(f"{x:.6g}") if isinstance(x, float) else x
+    text = "".join(json.dumps({k: rounded(v) for k, v in row.items()}) + "\n" for row in read_rows(folder))
+    (folder / "metrics.jsonl.xz").write_bytes(lzma.compress(text.encode(), preset=9 | lzma.PRESET_EXTREME))
+    (folder / "metrics.jsonl").unlink(missing_ok=True)
+    return sum(path.stat().st_size for path in folder.iterdir())
 
 
 def seed_columns(run, y):
@@ -297,7 +332,9 @@ def parse_args(argv):
     parser.error = fail  # one `error:` line and status 2, as for every other bad input
     parser.add_argument("runs", nargs="*", metavar="RUN_FOLDER", help="run folders holding metrics.jsonl")
     parser.add_argument("--speed", type=Path, metavar="BENCHMARK_JSON", help="draw benchmark.json instead of runs")
-    parser.add_argument("-o", "--output", required=True, type=Path, help="picture to write (.png, .pdf, .svg)")
+    parser.add_argument("--pack", action="store_true",
+                        help="instead of drawing, make the run folders light to keep in the repository")
+    parser.add_argument("-o", "--output", type=Path, help="picture to write (.png, .pdf, .svg)")
     parser.add_argument("--x", choices=X_LABELS, default="steps", help="global_step, or training seconds")
     parser.add_argument("--y", default="charts/episodic_return", help="scalar to plot")
     parser.add_argument("--ref", type=reference, action="append", default=[], metavar="LABEL=VALUE[@ENV]",
@@ -308,8 +345,16 @@ def parse_args(argv):
                         help="the folders of one script, env id and seed are one run and its resumptions")
     parser.add_argument("--title", help="title above the plot")
     args = parser.parse_args(argv)
-    if bool(args.runs) == bool(args.speed):
+    if args.pack:
+        if not args.runs or args.speed or args.output:
+            fail("--pack takes run folders and nothing else: python tests/plot.py --pack RUN_FOLDER...")
+        return args
+    if not args.runs and not args.speed:
+        fail("nothing to draw: give run folders or --speed benchmark.json, and -o FILE")
+    if args.runs and args.speed:
         fail("give run folders, or --speed benchmark.json, not both")
+    if args.output is None:
+        fail("-o FILE is needed: the picture to write")
     if not args.panels and any(ref.where for ref in args.ref):
         fail("a --ref ending in @ENV needs --panels")
     if not args.output.parent.is_dir():
@@ -320,6 +365,12 @@ def parse_args(argv):
 def main(argv=None):
     """Plot, write the picture and return the figure."""
     args = parse_args(argv)
+    if args.pack:
+        for folder in args.runs:
+            size = pack(folder)
+            over = f", over the budget of {RUN_BUDGET:,}: log less often" if size > RUN_BUDGET else ""
+            print(f"packed {folder}: {size:,} bytes{over}")
+        return None
     if args.speed:
         machine, bars = read_speed(args.speed)
         return save(plot_speed(bars, machine, args.title), args.output)

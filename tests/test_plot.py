@@ -1,13 +1,16 @@
-"""tests/plot.py: seeds grouped into mean curves with min-max bands, --x time, --ref, --speed, bad input."""
+"""tests/plot.py: seeds grouped into mean curves with min-max bands, --x time, --ref, --speed, --pack, bad input;
+the run folders kept in tests/figures/runs/ within their size budget."""
 
 import json
+import lzma
+from pathlib import Path
 
 import numpy as np
 import pytest
 from matplotlib.collections import PolyCollection
 from matplotlib.patches import Rectangle
 
-from conftest import error_line, load, run
+from conftest import ROOT, error_line, load, run
 
 plot = load("tests/plot.py")
 SCRIPT = "tests/plot.py"
@@ -186,6 +189,49 @@ def test_a_run_without_the_scalar_is_left_out_with_a_warning(folders, tmp_path, 
     assert f"warning: {no_return} has no {RETURN}; left out" in capsys.readouterr().err
 
 
+def test_a_packed_run_keeps_every_row_to_six_digits_and_draws_like_its_original(tmp_path):
+    values = [np.pi * 10.0**k for k in range(-3, 2)]
+    original = write_run(tmp_path / "a", "Pong-v5", "sebulba_impala", 1, rows(values, sps=[1234.56789] * 5))
+    packed = write_run(tmp_path / "b", "Pong-v5", "sebulba_impala", 1, rows(values, sps=[1234.56789] * 5))
+    result = run(SCRIPT, ["--pack", packed], tmp_path, run_dir=False)
+    assert result.returncode == 0 and f"packed {packed}: " in result.output
+    assert sorted(p.name for p in packed.iterdir()) == ["args.json", "metrics.jsonl.xz"]
+    kept = [json.loads(line) for line in lzma.decompress((packed / "metrics.jsonl.xz").read_bytes()).splitlines()]
+    assert [row["global_step"] for row in kept] == list(STEPS.astype(int))
+    assert [row[RETURN] for row in kept] == [0.00314159, 0.0314159, 0.314159, 3.14159, 31.4159]
+    for axis in ("steps", "time"):
+        (a,), (b,) = (curves(draw([folder], tmp_path, "--x", axis)[0])[0].values() for folder in (original, packed))
+        np.testing.assert_allclose(b.get_xdata(), a.get_xdata(), rtol=5e-6)  # 6 digits: 5e-6 at most
+        np.testing.assert_allclose(b.get_ydata(), a.get_ydata(), rtol=5e-6)
+
+
+def test_a_last_line_cut_off_by_a_kill_is_left_out_with_a_note(tmp_path, capsys):
+    folder = write_run(tmp_path, "Catch", "anakin_catch", 1, rows(seed_returns(1)))
+    with open(folder / "metrics.jsonl", "a") as f:
+        f.write('{"global_step": 600, "charts/SP')
+    (mean,) = curves(draw([folder], tmp_path)[0])[0].values()
+    np.testing.assert_allclose(mean.get_xdata(), STEPS)
+    assert f"note: {folder / 'metrics.jsonl'} line 6 was cut off (a killed run?): left out" in capsys.readouterr().err
+
+
+def test_each_kept_run_folder_is_packed_and_within_its_budget():
+    """tests/figures/README.md, "Adding a run": args.json and metrics.jsonl.xz, at most plot.RUN_BUDGET bytes."""
+    folders = {path.parent for path in (ROOT / "tests/figures/runs").rglob("args.json")}
+    assert len(folders) >= 90  # the kept runs (97 at the time of writing) are all found
+    for folder in sorted(folders):
+        files = {path.name: path.stat().st_size for path in folder.iterdir()}
+        assert sorted(files) == ["args.json", "metrics.jsonl.xz"], folder
+        assert sum(files.values()) <= plot.RUN_BUDGET, f"{folder}: {sum(files.values()):,} bytes"
+        assert plot.read_run(folder).rows
+
+
+def test_the_figures_leave_room_for_the_gpu_copy():
+    """The repository and the GPU bundle (tests/figures/README.md, "Copying to a GPU machine": 55.2 MB) fit
+    the 64 MiB that can be copied to a GPU machine: pictures and runs take at most 10.5 MB of it."""
+    size = sum(path.stat().st_size for path in Path(ROOT / "tests/figures").rglob("*") if path.is_file())
+    assert size <= 10_500_000, f"tests/figures holds {size:,} bytes"
+
+
 BENCHMARK = {  # as tests/benchmark.py writes it: figures are formatted strings
     "machine": "x86_64, 2 CPU cores",
     "catch": [{"devices": 1, "envs/device": 128, "train SPS": "120,000", "rollout-only SPS": "480,000",
@@ -226,7 +272,8 @@ def bad_input(tmp_path, folder, *flags):
 
 @pytest.mark.parametrize("metrics, expected", [
     (None, "no metrics.jsonl in"),
-    ('{"global_step": 100}\n{"global_st', "metrics.jsonl line 2 is not valid JSON"),
+    ('{"global_step": 100\n{"global_step": 200}\n', "metrics.jsonl line 1 is not valid JSON"),
+    ('{"global_step": 100}\n{"global_st\n', "metrics.jsonl line 2 is not valid JSON"),
     ('{"charts/SPS": 1.0}\n', "every line should be a JSON object with a global_step"),
 ])
 def test_a_bad_run_folder_is_an_error(tmp_path, metrics, expected):
@@ -235,6 +282,24 @@ def test_a_bad_run_folder_is_an_error(tmp_path, metrics, expected):
     if metrics is not None:
         (folder / "metrics.jsonl").write_text(metrics)
     assert expected in bad_input(tmp_path, folder)
+
+
+def test_a_damaged_packed_file_is_an_error(tmp_path):
+    folder = tmp_path / "Catch__anakin_catch__1__1700000001"
+    folder.mkdir()
+    (folder / "metrics.jsonl.xz").write_bytes(lzma.compress(b'{"global_step": 100}\n')[:-8])
+    assert "metrics.jsonl.xz cannot be read" in bad_input(tmp_path, folder)
+
+
+@pytest.mark.parametrize("argv, expected", [
+    ([], "nothing to draw: give run folders or --speed benchmark.json, and -o FILE"),
+    (["{folder}"], "-o FILE is needed"),
+    (["--pack", "{folder}", "-o", "out.png"], "--pack takes run folders and nothing else"),
+])
+def test_a_command_missing_its_parts_says_what_is_missing(tmp_path, argv, expected):
+    folder = write_run(tmp_path, "Catch", "anakin_catch", 1, rows(seed_returns(1)))
+    result = run(SCRIPT, [a.format(folder=folder) for a in argv], tmp_path, run_dir=False)
+    assert expected in error_line(result) and (folder / "metrics.jsonl").exists()
 
 
 @pytest.mark.parametrize("flags, expected", [
@@ -248,6 +313,7 @@ def test_a_bad_run_folder_is_an_error(tmp_path, metrics, expected):
     (["--x", "hours"], "invalid choice: 'hours'"),
     (["--ref", "random=0.5@Asterix"], "a --ref ending in @ENV needs --panels"),
     (["--speed", "benchmark.json"], "give run folders, or --speed benchmark.json, not both"),
+    (["--pack"], "--pack takes run folders and nothing else"),
 ])
 def test_bad_flags_are_one_error_line_and_status_2(tmp_path, flags, expected):
     folder = write_run(tmp_path, "Catch", "anakin_catch", 1, rows(seed_returns(1)))

@@ -196,3 +196,8 @@ def test_every_relative_link_and_picture_exists(doc):
         if fragment:
             headings = [anchor(l) for l in target.read_text().splitlines() if l.startswith("#")]
             assert fragment in headings, f"{doc}: {link}"
+
+
+def test_requirements_point_to_a_readme_section_that_exists():
+    (section,) = re.findall(r'README.md, section "([^"]+)"', (ROOT / "requirements.txt").read_text())
+    assert f"## {section}" in (ROOT / "README.md").read_text().splitlines()
