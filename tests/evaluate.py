@@ -1,7 +1,7 @@
 """Score and watch a trained agent: whole games played with the policy of a run's checkpoint.npz.
 
 usage: python tests/evaluate.py CHECKPOINT [--episodes N] [--greedy] [--seed S] [--agent I] [--gif FILE]
-                                           [--gif-every K]
+                                           [--gif-every K] [--allow-import MODULE]
 
 A checkpoint records its run's flags, and their names are the fields of one script's `Args`: that
 says which of the four scripts wrote it. That script's own pieces then play, loaded by the test
@@ -20,6 +20,8 @@ MinAtar's channels in colour, the boards of Catch the agent acted on, CartPole's
 Pendulum's pendulum (drawn from the observations; other vector envs have no picture).
 --gif-every K keeps every K-th step, to keep a long game's GIF small.
 --agent picks one agent of an `anakin_ppo.py --num-seeds N` run (default: the first).
+A checkpoint is data: the module of a recorded `--env-id module:Name` is imported (its code run) only if
+this repository ships it (tests.minatar_envs) or --allow-import names it.
 """
 
 import argparse
@@ -44,6 +46,7 @@ from conftest import ROOT, load
 
 sys.path.insert(0, str(ROOT))  # gymnasium ids such as tests.minatar_envs:MinAtar/Breakout-v1 import from here
 SCRIPTS = ("anakin_catch.py", "anakin_ppo.py", "sebulba_impala.py", "sebulba_ppo_atari.py")
+SHIPPED = ("tests.minatar_envs",)  # the modules of this repository that a recorded env id may import
 
 
 class Outcome(NamedTuple):
@@ -88,6 +91,14 @@ def read_checkpoint(path):
     if not isinstance(flags, dict):
         fail(f"{path} records no flags (a checkpoint.npz of {', '.join(SCRIPTS)} holds its run's as `args`)")
     return arrays, flags
+
+
+def check_imports(path, flags, allowed):
+    """Whoever wrote the file chose its env id: a `module:Name` one would run that module's code."""
+    module = str(flags.get("env_id")).rpartition(":")[0]
+    if module and module not in (*SHIPPED, *allowed):
+        fail(f"{path} records --env-id {flags['env_id']!r}, which imports module {module!r} (runs its code): "
+             f"add --allow-import {module} if you trust it")
 
 
 def identify(path, flags):
@@ -326,6 +337,8 @@ def parse_args(argv):
     parser.add_argument("--gif", type=Path, help="write the first game as an animated GIF")
     parser.add_argument("--gif-every", type=int, default=1, metavar="K",
                         help="keep every K-th step in the GIF, each shown K times as long (a whole Atari game: 2)")
+    parser.add_argument("--allow-import", action="append", default=[], metavar="MODULE",
+                        help="let the checkpoint's --env-id MODULE:Name import MODULE (it runs its code)")
     args = parser.parse_args(argv)
     if args.episodes < 1:
         fail(f"--episodes {args.episodes} must be at least 1")
@@ -347,6 +360,7 @@ def main(argv=None):
     """Play, print the figures (and write the GIF); return the Evaluation."""
     opts = parse_args(argv)
     arrays, flags = read_checkpoint(opts.checkpoint)
+    check_imports(opts.checkpoint, flags, opts.allow_import)
     script, module, args = identify(opts.checkpoint, flags)
     args, template = state_template(script, module, args)
     params = read_params(opts.checkpoint, script, module, arrays, template)

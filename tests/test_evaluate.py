@@ -1,6 +1,7 @@
 """tests/evaluate.py: every script's checkpoint plays whole games and draws a GIF of one, a trained
 Catch agent scores near the optimum, and damaged, foreign or mismatched files are one error line."""
 
+import dataclasses
 import json
 
 import jax
@@ -147,3 +148,16 @@ def test_a_checkpoint_whose_arrays_do_not_fit_its_flags_is_refused(checkpoints, 
     np.savez(path, **arrays, args=json.dumps({**flags, "env_id": "CartPole-v1"}))  # 3 inputs: not CartPole's
     line = refused([path], capsys)
     assert "does not match anakin_ppo.py's network" in line and "state/params/actor/layer0/w" in line
+
+
+def test_a_checkpoint_whose_env_id_names_a_module_imports_it_only_when_the_user_allows_it(tmp_path, monkeypatch,
+                                                                                          capsys):
+    (tmp_path / "planted.py").write_text("from pathlib import Path\nPath(__file__).with_name('ran').touch()\n")
+    monkeypatch.syspath_prepend(tmp_path)  # importable, as a module beside the repository's files would be
+    path = tmp_path / "checkpoint.npz"
+    np.savez(path, args=json.dumps(dataclasses.asdict(load("sebulba_impala.py").Args(env_id="planted:CartPole-v1"))))
+    assert refused([path], capsys) == (f"error: {path} records --env-id 'planted:CartPole-v1', which imports module "
+                                       "'planted' (runs its code): add --allow-import planted if you trust it")
+    assert not (tmp_path / "ran").exists()
+    line = refused([path, "--allow-import", "planted"], capsys)  # imported, then found to hold no network
+    assert (tmp_path / "ran").exists() and "does not match sebulba_impala.py's network" in line
