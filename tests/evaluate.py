@@ -346,9 +346,23 @@ def parse_args(argv):
         fail(f"--seed {args.seed} must be in 0..{2**31 - args.episodes - 1:,}")
     if args.gif_every < 1:
         fail(f"--gif-every {args.gif_every} must be at least 1")
-    if args.gif and not args.gif.parent.is_dir():
-        fail(f"--gif {args.gif}: folder {args.gif.parent} does not exist")
+    if args.gif and args.gif.suffix.lower() != ".gif":
+        fail(f"--gif {args.gif}: the file's name must end in .gif")
+    if args.gif:
+        check_writable(args.gif)
     return args
+
+
+def check_writable(path):
+    """A file written after all the games: whether it can be is found out before the first."""
+    new = not path.exists()
+    try:
+        with open(path, "ab"):
+            pass
+        if new:
+            path.unlink()
+    except OSError as e:
+        fail(f"--gif {path}: cannot write there ({e.strerror})")
 
 
 def summary(name, values, digits):

@@ -3,6 +3,7 @@ Catch agent scores near the optimum, and damaged, foreign or mismatched files ar
 
 import dataclasses
 import json
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -136,8 +137,20 @@ def test_foreign_files_and_bad_flags_are_refused(checkpoints, tmp_path, capsys):
     assert "is not a readable checkpoint" in refused([path], capsys)
     assert "is not a readable checkpoint" in refused([tmp_path / "missing.npz"], capsys)
     assert "--episodes 0 must be at least 1" in refused([checkpoints["catch"], "--episodes", 0], capsys)
-    assert "does not exist" in refused([checkpoints["catch"], "--gif", tmp_path / "no" / "x.gif"], capsys)
     assert "--gif-every 0 must be at least 1" in refused([checkpoints["catch"], "--gif-every", 0], capsys)
+
+
+def test_a_gif_that_cannot_be_written_is_refused_before_the_checkpoint_is_read(tmp_path, capsys):
+    (tmp_path / "folder.gif").mkdir()
+    (tmp_path / "file").touch()
+    for gif, words in [(tmp_path / "folder.gif", "cannot write there (Is a directory)"),
+                       (tmp_path / "game.txt", "the file's name must end in .gif"),
+                       (tmp_path / "no" / "game.gif", "cannot write there (No such file or directory)"),
+                       (tmp_path / "file" / "game.gif", "cannot write there (Not a directory)"),
+                       (Path("/sys/game.gif"), "cannot write there")]:  # read-only, even for root
+        line = refused([tmp_path / "missing.npz", "--gif", gif], capsys)
+        assert line.startswith(f"error: --gif {gif}: {words}"), line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "folder.gif"]
 
 
 def test_a_checkpoint_whose_arrays_do_not_fit_its_flags_is_refused(checkpoints, tmp_path, capsys):
