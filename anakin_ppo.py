@@ -600,24 +600,28 @@ def pick_devices(args):
 
 
 def initial_state(args, env, mesh, batch):
-    """Every seed's TrainState on the mesh, fresh or --resume's, and the update it starts after."""
+    """What makes every seed's TrainState on the mesh, fresh or --resume's, its shapes, and the update it starts
+    after."""
     if args.total_timesteps < batch:
         fail(f"--total-timesteps {args.total_timesteps:,} is less than one update: {batch:,} steps "
              f"(--num-steps {args.num_steps} x {args.num_envs_per_device} envs x {mesh.size} devices)")
     init, shapes = init_on_mesh(args, env, mesh, args.num_envs_per_device * mesh.size)
     if not args.resume:
-        return init(), 0
+        return init, shapes, 0
     template = {"state": shapes, "update": np.int64(0), "global_step": np.int64(0)}
-    ckpt = load(args, template, batch, "same device count?")
-    return place(ckpt["state"], mesh), int(ckpt["update"])
+    ckpt = load(args, template, batch, f"this run has {args.num_envs_per_device} envs on each of {mesh.size} devices")
+    return partial(place, ckpt["state"], mesh), shapes, int(ckpt["update"])
 
 
-def compile_train(args, env, mesh, state, first, num_updates):
-    """make_train compiled ahead of time, so that SPS never includes compilation."""
+def compile_train(args, env, mesh, shapes, first, num_updates):
+    """make_train compiled ahead of time, so that SPS never includes compilation; refused if it cannot fit."""
     tic = time.time()
     train = make_train(args, env, mesh, num_updates)
-    train = train.lower(state, np.int32(first), np.int32(args.log_every)).compile()
+    train = train.lower(shapes, np.int32(first), np.int32(args.log_every)).compile()
     say(f"compiled in {time.time() - tic:.1f}s")
+    used = train.memory_analysis()
+    check_fits(used.temp_size_in_bytes + used.argument_size_in_bytes + used.output_size_in_bytes,
+               f"--num-seeds {args.num_seeds} x --num-envs-per-device {args.num_envs_per_device}", mesh.local_devices)
     return train
 
 
@@ -658,9 +662,9 @@ def main(args: Args) -> dict:
     mesh = pick_devices(args)
     batch = args.num_steps * args.num_envs_per_device * mesh.size
     num_updates = args.total_timesteps // batch
-    state, first = initial_state(args, env, mesh, batch)
-    run = open_run(args)
-    train = compile_train(args, env, mesh, state, first, num_updates)
+    make_state, shapes, first = initial_state(args, env, mesh, batch)
+    train = compile_train(args, env, mesh, shapes, first, num_updates)
+    state, run = make_state(), open_run(args)
     update, n, start, row = first, 0, time.time(), {}
     while update < num_updates:
         safe_point(caught, update, run, partial(checkpoint, args, run, state, update, batch),
@@ -704,6 +708,15 @@ def check_flags(args, unit=(), positive=()):
                 fail(f"--{name.replace('_', '-')} {value} must be a finite number {valid}")
     if args.resume is not None and not Path(args.resume).is_file():
         fail(f"--resume {args.resume!r}: no such checkpoint file")
+
+
+def check_fits(num_bytes, what, devices=()):
+    """Refuse, up front, what cannot fit: `num_bytes` on each of `devices` (CPU devices share the host's memory)."""
+    memory = (devices[0].memory_stats() or {}).get("bytes_limit") if devices else None
+    if memory is None:
+        memory, num_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), num_bytes * max(1, len(devices))
+    if num_bytes > memory:
+        fail(f"{what} would need {num_bytes / 2**30:,.1f} GiB, more than the {memory / 2**30:,.1f} GiB here")
 
 
 def check_seed(seed, limit):

@@ -786,13 +786,6 @@ def check_args(args):
     return args, env
 
 
-def check_fits(num_bytes, what):
-    """Refuse, up front, buffers that cannot fit in this host's memory."""
-    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    if num_bytes > memory:
-        fail(f"{what} would need {num_bytes / 2**30:,.1f} GiB, more than this host's {memory / 2**30:,.1f} GiB")
-
-
 def check_sizes(args, layout, env):
     """Counts that must divide or fit; returns the steps of one update."""
     n_learners = len(layout.learner_devices)
@@ -870,6 +863,15 @@ def check_flags(args, unit=(), positive=()):
                 fail(f"--{name.replace('_', '-')} {value} must be a finite number {valid}")
     if args.resume is not None and not Path(args.resume).is_file():
         fail(f"--resume {args.resume!r}: no such checkpoint file")
+
+
+def check_fits(num_bytes, what, devices=()):
+    """Refuse, up front, what cannot fit: `num_bytes` on each of `devices` (CPU devices share the host's memory)."""
+    memory = (devices[0].memory_stats() or {}).get("bytes_limit") if devices else None
+    if memory is None:
+        memory, num_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), num_bytes * max(1, len(devices))
+    if num_bytes > memory:
+        fail(f"{what} would need {num_bytes / 2**30:,.1f} GiB, more than the {memory / 2**30:,.1f} GiB here")
 
 
 def check_seed(seed, limit):

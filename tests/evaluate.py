@@ -126,6 +126,18 @@ def state_template(script, module, args):
     return args, jax.eval_shape(partial(module.init_state, jax.random.PRNGKey(args.seed), args, env, 1))
 
 
+def check_fits(script, module, args, episodes):
+    """Refuse games that cannot fit in memory: each holds at least its observation and its score, length and
+    end (17 bytes)."""
+    if script == "anakin_catch.py":
+        obs = module.ROWS * module.COLS * 4
+    elif script == "anakin_ppo.py":
+        obs = module.ENVS[args.env_id].obs_size * 4
+    else:  # a byte an element at least (Atari's frames)
+        obs = int(np.prod(module.describe_env(args.env_id, args.machado).obs_shape))
+    module.check_fits(episodes * (obs + 17), f"--episodes {episodes}")
+
+
 def read_params(path, script, module, arrays, template):
     """The parameters, named as the script's `save` names them, unflattened as its `load` does."""
     names = {f"state/params/{name}": like for name, like in module.flat(template.params).items()}
@@ -377,6 +389,7 @@ def main(argv=None):
     check_imports(opts.checkpoint, flags, opts.allow_import)
     script, module, args = identify(opts.checkpoint, flags)
     args, template = state_template(script, module, args)
+    check_fits(script, module, args, opts.episodes)
     params = read_params(opts.checkpoint, script, module, arrays, template)
     params = pick_agent(script, args, params, opts.agent)
     game = GAMES[script](module, args, params, opts)

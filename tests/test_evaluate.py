@@ -3,6 +3,7 @@ Catch agent scores near the optimum, and damaged, foreign or mismatched files ar
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import jax
@@ -174,3 +175,10 @@ def test_a_checkpoint_whose_env_id_names_a_module_imports_it_only_when_the_user_
     assert not (tmp_path / "ran").exists()
     line = refused([path, "--allow-import", "planted"], capsys)  # imported, then found to hold no network
     assert (tmp_path / "ran").exists() and "does not match sebulba_impala.py's network" in line
+
+
+def test_more_games_than_memory_holds_are_refused_before_any_is_played(tmp_path, capsys):
+    path = tmp_path / "checkpoint.npz"
+    np.savez(path, args=json.dumps(dataclasses.asdict(load("anakin_catch.py").Args())))  # flags, then no network
+    line = refused([path, "--episodes", 10**9], capsys)
+    assert re.match(r"error: --episodes 1000000000 would need [\d,.]+ GiB, more than the [\d,.]+ GiB here$", line)

@@ -516,10 +516,23 @@ def test_every_float_flag_is_checked_up_front(script, capsys):
             assert line.startswith(f"error: --{name.replace('_', '-')} "), (name, value, line)
 
 
-@pytest.mark.parametrize("script", ["sebulba_impala.py", "sebulba_ppo_atari.py"])
-def test_env_counts_whose_rollouts_cannot_fit_in_memory_are_refused(tmp_path, script):
-    line = error_line(run(script, [*quick(script), "--local-num-envs", 100_000_000], tmp_path, timeout=120))
-    assert "--local-num-envs 100000000" in line and "GiB" in line
+# Counts within the budget check whose buffers would need terabytes, and the flags the error line names.
+TOO_BIG = {
+    "anakin_catch.py": (["--num-envs-per-device", 2**30, "--total-timesteps", 10**12],
+                        f"--num-envs-per-device {2**30}"),
+    "anakin_ppo.py": (["--num-seeds", 64, "--num-envs-per-device", 2**17, "--total-timesteps", 10**10],
+                      f"--num-seeds 64 x --num-envs-per-device {2**17}"),
+    **{script: ([*quick(script), "--local-num-envs", 10**8], "the rollouts of 1 actor threads x --local-num-envs "
+                f"{10**8}") for script in ("sebulba_impala.py", "sebulba_ppo_atari.py")},
+}
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_env_counts_that_cannot_fit_in_memory_are_refused_before_the_run_folder(tmp_path, script):
+    flags, what = TOO_BIG[script]
+    result = run(script, flags, tmp_path, timeout=120)
+    assert re.match(rf"error: {what} would need [\d,.]+ GiB, more than the [\d,.]+ GiB here$", error_line(result))
+    assert result.run_dir is None
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
