@@ -47,12 +47,14 @@ from functools import partial
 from pathlib import Path
 from typing import Callable, NamedTuple
 
-# Stop signals are noted from the script's first lines (a second one exits at once): raised as a
-# KeyboardInterrupt while JAX starts, one can be swallowed and the run trains on. `catch_stop_signals` acts.
-STOP_SIGNALS = []
+# From the script's first lines each stop signal only writes its number to STOP_PIPE (raised as a
+# KeyboardInterrupt while JAX starts, one could be swallowed and the run train on). `catch_stop_signals` acts.
+STOP_PIPE = os.pipe()
 if __name__ == "__main__":
+    os.set_blocking(STOP_PIPE[1], False)
+    signal.set_wakeup_fd(STOP_PIPE[1])
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(signum, lambda n, _: os._exit(128 + n) if STOP_SIGNALS else STOP_SIGNALS.append(n))
+        signal.signal(signum, lambda *_: None)
 
 import jax
 import jax.numpy as jnp
@@ -680,7 +682,7 @@ def main(args: Args) -> dict:
         check_finite({name: value for name, value in row.items() if name.startswith("losses/")}, update, run)
         eta = (time.time() - start) / (update - first) * (num_updates - update)
         log(run, row, num_updates, num_updates * batch, eta)
-    checkpoint(args, run, state, update, batch)
+    safe_point(caught, update, run, partial(checkpoint, args, run, state, update, batch), due=True)
     row["checksum"] = checksum(state.params)
     say(f"checksum {row['checksum']}")
     return row
@@ -820,36 +822,44 @@ SAVING = []  # the temporary file `save` is writing, if any: a second stop signa
 
 def catch_stop_signals():
     """SIGINT (Ctrl-C), SIGTERM (SLURM, Kubernetes) and SIGHUP (a closed terminal) are only noted, as raising
-    inside JAX or envpool could hang; `safe_point` acts on them. A second signal exits at once."""
-    caught = STOP_SIGNALS  # one noted since the script's first lines counts
+    inside JAX or envpool could hang; `safe_point` acts on them. A second signal exits at once. Python would run
+    handlers only once the main thread is back from XLA, and two as one: a thread reads each from STOP_PIPE."""
+    caught, stops = [], (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    os.set_blocking(STOP_PIPE[1], False)
+    signal.set_wakeup_fd(STOP_PIPE[1])  # as the first lines do, for a script loaded as a module
+    for signum in stops:
+        signal.signal(signum, lambda *_: None)
 
-    def tell(signum):
+    def tell(line):
         with contextlib.suppress(OSError):  # os.write: this may interrupt a print
-            os.write(sys.stdout.fileno(), f"{signal.Signals(signum).name}: stopping after the update in flight, "
-                     "with a checkpoint; a second signal stops at once, without one\n".encode())
+            os.write(sys.stdout.fileno(), f"{line}\n".encode())
 
-    def note(signum, _):
-        if caught:
-            for tmp in SAVING:
-                with contextlib.suppress(OSError):
-                    tmp.unlink(missing_ok=True)
-            os._exit(128 + signum)
-        caught.append(signum)
-        tell(signum)
+    def listen():
+        while signum := os.read(STOP_PIPE[0], 1)[0]:
+            if signum in stops and caught:
+                for tmp in SAVING:
+                    with contextlib.suppress(OSError):
+                        tmp.unlink(missing_ok=True)
+                tell(f"{signal.Signals(signum).name} again: stopped at once, without writing a checkpoint")
+                os._exit(128 + signum)
+            if signum in stops:
+                caught.append(signum)
+                tell(f"{signal.Signals(signum).name}: stopping after the update in flight, with a checkpoint; a "
+                     "second signal stops at once, without one")
 
-    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(signum, note)
-    if caught:
-        tell(caught[0])
+    threading.Thread(target=listen, daemon=True).start()
     return caught
 
 
 def safe_point(caught, update, run, checkpoint, due):
-    """Between updates: `checkpoint()` if `due`; on a signal caught by any process, checkpoint and exit (all)."""
+    """Between updates and at the end: `checkpoint()` if `due`; then, on a signal caught by any process (in
+    that checkpoint too), checkpoint if not done and exit (all)."""
+    if due:
+        checkpoint()
     signum = caught[0] if caught else 0
     if jax.process_count() > 1:
         signum = int(np.max(multihost_utils.process_allgather(np.int32(signum))))
-    if signum or due:
+    if signum and not due:
         checkpoint()
     if signum:
         exit_now(128 + signum, run, f"stopped by {signal.Signals(signum).name} after update {update}")

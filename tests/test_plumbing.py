@@ -164,6 +164,39 @@ def test_a_damaged_checkpoint_is_one_error_line_and_its_unknown_arrays_stay_unre
     assert err.count("\n") == 1 and "junk" not in read
 
 
+def signals_in_the_last_call(tmp_path, signum, count):
+    """`count` signals 50 ms apart half a second into a run's one compiled call (several seconds long; no safe
+    point follows it); returns the exit status, the output and the seconds from the last signal to the exit."""
+    proc = spawn("anakin_catch.py", [*quick("anakin_catch.py", budget=5000 * 16 * 8), "--log-every", 5000,
+                                     "--run-dir", tmp_path / "runs"], tmp_path)
+    try:
+        before = wait_for_line(proc, "compiled in")
+        while not list((tmp_path / "runs").glob("*/args.json")):
+            time.sleep(0.01)  # with the program compiled and the run folder made, the call comes next
+        time.sleep(0.5)
+        for i in range(count):
+            time.sleep(0.05 if i else 0)
+            proc.send_signal(signum)
+        sent = time.monotonic()
+        output = before + proc.communicate(timeout=300)[0]
+        return proc.returncode, output, time.monotonic() - sent
+    finally:
+        proc.kill()
+
+
+def test_a_second_signal_50_ms_after_the_first_exits_at_once_while_xla_computes(tmp_path):
+    returncode, output, took = signals_in_the_last_call(tmp_path, signal.SIGINT, 2)
+    assert returncode == 130 and took < 3 and "stopped by" not in output, (returncode, took, output[-3000:])
+    assert output.count("SIGINT: stopping after the update in flight") == 1, output[-3000:]
+
+
+def test_a_signal_in_the_last_call_still_exits_with_its_status_after_the_final_checkpoint(tmp_path):
+    returncode, output, _ = signals_in_the_last_call(tmp_path, signal.SIGTERM, 1)
+    assert returncode == 143 and "stopped by SIGTERM after update 5000; the checkpoint" in output, output[-3000:]
+    with np.load(next((tmp_path / "runs").glob("*/checkpoint.npz")), allow_pickle=False) as f:
+        assert int(f["update"]) == 5000
+
+
 def test_a_sigint_while_jax_is_imported_stops_the_run_before_any_update(tmp_path):
     # Sent once jaxlib's libraries are mapped, while `import jax` runs: a KeyboardInterrupt raised there could
     # be swallowed and the run would train to the end, so the stop handlers are installed before it.
@@ -174,6 +207,24 @@ def test_a_sigint_while_jax_is_imported_stops_the_run_before_any_update(tmp_path
     assert "Traceback" not in output and "Exception ignored" not in output and "update 1/" not in output, output
     with np.load(next((tmp_path / "runs").glob("*/checkpoint.npz")), allow_pickle=False) as f:
         assert int(f["update"]) == 0
+
+
+def test_two_sigints_while_jax_is_imported_exit_at_once_with_one_line_each(tmp_path):
+    script = "sebulba_impala.py"
+    proc = spawn(script, [*quick(script), "--run-dir", tmp_path / "runs"], tmp_path)
+
+    def twice():
+        if "jaxlib" not in Path(f"/proc/{proc.pid}/maps").read_text():
+            return False
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.05)
+        return True
+
+    output = signal_once(proc, twice, signal.SIGINT)
+    assert proc.returncode == 130 and output.splitlines() == [
+        "SIGINT: stopping after the update in flight, with a checkpoint; a second signal stops at once, without one",
+        "SIGINT again: stopped at once, without writing a checkpoint"], output[-3000:]
+    assert not (tmp_path / "runs").exists()
 
 
 # ---- Multi-host: peers agree before they train, a missing one is a bounded wait, a dead one ends the run ----
@@ -386,18 +437,21 @@ def test_a_run_folder_made_immutable_or_deleted_mid_run_ends_the_run_with_one_li
 
 
 SECOND_SIGNAL_WHILE_SAVING = """
-import os, signal, sys
+import os, signal, sys, time
 from pathlib import Path
 sys.path.insert(0, sys.argv[1])
 from conftest import load
 catch = load("anakin_catch.py")
-catch.catch_stop_signals()
+caught = catch.catch_stop_signals()
 os.kill(os.getpid(), signal.SIGTERM)  # the first: noted, and said
+while not caught:
+    time.sleep(0.001)
 write = catch.np.savez
 def savez(file, **arrays):  # the second arrives once the temporary file is written, before it is moved into place
     write(file, **arrays)
     print("written:", os.path.exists(file), flush=True)
     os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(60)  # a slow disk
 catch.np.savez = savez
 folder = Path(sys.argv[2])
 catch.save(catch.Run(folder, None, folder / "checkpoint.npz"), {"w": catch.np.zeros(3)}, catch.Args())
@@ -410,7 +464,8 @@ def test_a_second_signal_while_the_checkpoint_is_written_exits_at_once_leaving_n
                           env=_env(1, None), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 128 + signal.SIGTERM, proc.stdout + proc.stderr
     assert proc.stdout.splitlines() == ["SIGTERM: stopping after the update in flight, with a checkpoint; a second "
-                                        "signal stops at once, without one", "written: True"], proc.stdout
+                                        "signal stops at once, without one", "written: True",
+                                        "SIGTERM again: stopped at once, without writing a checkpoint"], proc.stdout
     assert list(tmp_path.iterdir()) == []
 
 
