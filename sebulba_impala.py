@@ -843,7 +843,8 @@ def check_flags(args, unit=(), positive=()):
                 valid = "in [0, 1]" if name in unit else "above 0" if name in positive else "at least 0"
                 fail(f"--{name.replace('_', '-')} {value} must be a finite number {valid}")
     if args.resume is not None and not Path(args.resume).is_file():
-        fail(f"--resume {args.resume!r}: no such checkpoint file")
+        what = "a folder" if Path(args.resume).is_dir() else "not a file" if Path(args.resume).exists() else "missing"
+        fail(f"--resume {args.resume!r} is {what}: it takes a run's checkpoint.npz")
 
 
 def check_fits(num_bytes, what, devices=()):
@@ -1032,18 +1033,21 @@ def load(args, template, batch, hint):
             arrays = {name: f[name] for name in names & set(f.files)}
     except Exception as e:  # empty, truncated, random bytes, pickled
         fail(f"--resume {args.resume!r} is not a readable checkpoint ({type(e).__name__}: {str(e).splitlines()[0]})")
-    for name, like in flat(template).items():
-        got = arrays.get(name)
-        if got is None or got.shape != like.shape or got.dtype != like.dtype:
-            found = "missing" if got is None else f"{got.dtype}{list(got.shape)}"
-            fail(f"--resume {args.resume!r} does not match this run: {name} is {found}, expected {like.dtype}"
-                 f"{list(like.shape)} ({hint})")
     try:
         saved = json.loads(str(arrays["args"]))
     except (KeyError, ValueError):
         saved = None
     if not isinstance(saved, dict):
         fail(f"--resume {args.resume!r} does not match this run: it records no flags as a JSON object ({hint})")
+    hosts = saved.get("num_processes") if saved.get("distributed") else 1
+    if isinstance(hosts, int) and hosts != jax.process_count():  # shapes and steps count every host's envs
+        hint = f"its run had {hosts} processes, this one {jax.process_count()}; {hint}"
+    for name, like in flat(template).items():
+        got = arrays.get(name)
+        if got is None or got.shape != like.shape or got.dtype != like.dtype:
+            found = "missing" if got is None else f"{got.dtype}{list(got.shape)}"
+            fail(f"--resume {args.resume!r} does not match this run: {name} is {found}, expected {like.dtype}"
+                 f"{list(like.shape)} ({hint})")
     now = json.loads(json.dumps(dataclasses.asdict(args)))
     free = ("total_timesteps", "log_every", "checkpoint_every", "run_dir", "exp_name", "resume", "distributed",
             "coordinator_address", "num_processes", "process_id", "peer_timeout")

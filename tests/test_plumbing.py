@@ -137,7 +137,9 @@ DAMAGED = {
     "flags as garbled JSON": ({"args": "{seed: 1"}, "it records no flags as a JSON object"),
     "flags as a list": ({"args": "[1, 2]"}, "it records no flags as a JSON object"),
     "flags as a number": ({"args": "7"}, "it records no flags as a JSON object"),
-    "a seed recorded as a string": ({"args": "seed"}, 'comes from a run with --seed "1", not 1 ('),
+    "a seed recorded as a string": ({"args": {"seed": "1"}}, 'comes from a run with --seed "1", not 1 ('),
+    "the envs of two processes": ({"w": np.ones(6, np.float32), "args": {"distributed": True, "num_processes": 2}},
+                                  "w is float32[6], expected float32[3] (its run had 2 processes, this one 1; hint)"),
 }
 
 
@@ -148,8 +150,8 @@ def test_a_damaged_checkpoint_is_one_error_line_and_its_unknown_arrays_stay_unre
     args = catch.Args(resume=str(tmp_path / "c.npz"), total_timesteps=10**6)
     template = {"w": np.zeros(3, np.float32), "update": np.int64(0), "global_step": np.int64(0)}
     changes, words = DAMAGED.get(case, ({}, None))
-    if changes.get("args") == "seed":
-        changes = {"args": json.dumps({**dataclasses.asdict(args), "seed": "1"})}
+    if isinstance(changes.get("args"), dict):  # these flags changed
+        changes = {**changes, "args": json.dumps({**dataclasses.asdict(args), **changes["args"]})}
     np.savez(args.resume, **{"w": np.ones(3, np.float32), "update": np.int64(2), "global_step": np.int64(32),
                              "args": json.dumps(dataclasses.asdict(args)), **changes})
     read, real = [], np.lib.npyio.NpzFile.__getitem__
@@ -195,6 +197,15 @@ def test_a_signal_in_the_last_call_still_exits_with_its_status_after_the_final_c
     assert returncode == 143 and "stopped by SIGTERM after update 5000; the checkpoint" in output, output[-3000:]
     with np.load(next((tmp_path / "runs").glob("*/checkpoint.npz")), allow_pickle=False) as f:
         assert int(f["update"]) == 5000
+
+
+def test_a_resume_naming_a_folder_or_a_device_says_so(tmp_path, capsys):
+    catch = load("anakin_catch.py")
+    (tmp_path / "zero.npz").symlink_to("/dev/zero")
+    for path, what in [(tmp_path, "a folder"), (tmp_path / "zero.npz", "not a file"), (tmp_path / "no.npz", "missing")]:
+        with pytest.raises(SystemExit):
+            catch.check_flags(catch.Args(resume=str(path)))
+        assert capsys.readouterr().err == f"error: --resume {str(path)!r} is {what}: it takes a run's checkpoint.npz\n"
 
 
 def test_a_sigint_while_jax_is_imported_stops_the_run_before_any_update(tmp_path):
