@@ -773,7 +773,17 @@ def start_distributed(args, caught):
         exit_now(2, None, f"error: --distributed: {why} (start every process with the same --coordinator-address and "
                           "--num-processes and its own --process-id; outside a cluster JAX detects (SLURM, Cloud TPU, "
                           "Kubernetes) give all three)")
+    sys.excepthook = lost_peer
     agree(args)
+
+
+def lost_peer(kind, error, trace):
+    """A collective with a dead peer raises here; exit before JAX's heartbeat would abort the process, with its
+    own C++ stack, at the next collective or ~100 s on (that abort no Python code can catch or precede)."""
+    if not issubclass(kind, jax.errors.JaxRuntimeError):
+        return sys.__excepthook__(kind, error, trace)
+    exit_now(1, RUN[0] if RUN else None, f"error: a collective with the other processes failed (one died?): "
+                                         f"{str(error).splitlines()[0]}")
 
 
 def agree(args):
@@ -802,7 +812,8 @@ class Run(NamedTuple):
 def open_run(args):
     """A new folder {run-dir}/{env}__{exp-name}__{seed}__{unix time}[_1, _2, ...], its name made flat."""
     if jax.process_index() != 0:
-        return Run(None, None, None)
+        RUN.append(Run(None, None, None))
+        return RUN[0]
     name = "__".join("".join(c if c.isalnum() or c in "-_.+" else "_" for c in str(s))
                      for s in (args.env_id, args.exp_name, args.seed))
     base = Path(args.run_dir) / f"{name}__{int(time.time())}"
@@ -810,7 +821,8 @@ def open_run(args):
         try:
             folder.mkdir(parents=True)
             (folder / "args.json").write_text(json.dumps(dataclasses.asdict(args), indent=2))
-            return Run(folder, EventsWriter(str(folder / "events")), folder / "checkpoint.npz")
+            RUN.append(Run(folder, EventsWriter(str(folder / "events")), folder / "checkpoint.npz"))
+            return RUN[0]
         except FileExistsError:
             pass
         except OSError as e:
@@ -818,7 +830,7 @@ def open_run(args):
             fail(f"{blame}: cannot make the run folder {folder} ({e.strerror})")
 
 
-SAVING = []  # the temporary file `save` is writing, if any: a second stop signal removes it
+SAVING, RUN = [], []  # the temporary file `save` is writing, if any (a second stop signal removes it); the Run
 
 
 def catch_stop_signals():

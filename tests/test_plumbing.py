@@ -366,6 +366,24 @@ def test_a_dead_peer_ends_the_survivor_and_its_last_checkpoint_resumes(tmp_path)
     assert resumed.metrics[0]["update"] == update + 5
 
 
+def test_a_peer_that_dies_before_the_first_update_ends_the_survivor_at_once_with_one_line(tmp_path):
+    # The survivor's first collective with it (the stop-signal check before update 1) raises; one that hangs
+    # inside a compiled call instead ends with JAX's own abort (the test above).
+    procs, roots = spawn_two_hosts("anakin_catch.py", quick("anakin_catch.py"), tmp_path, devices=2)
+    try:
+        before = wait_for_line(procs[0], "compiled in")
+        procs[1].kill()
+        killed = time.monotonic()
+        output = before + procs[0].communicate(timeout=300)[0]
+        waited = time.monotonic() - killed
+    finally:
+        for proc in procs:
+            proc.kill()
+    line = one_error(Result(procs[0].returncode, output))
+    assert line.startswith("error: a collective with the other processes failed (one died?): UNKNOWN: Gloo ")
+    assert line.endswith(f"; no checkpoint is in {next(roots[0].iterdir())}") and waited < 30, (waited, line)
+
+
 # ---- Faults of the run folder, stdout and the terminal ------------------------------------
 
 @pytest.fixture
