@@ -933,8 +933,7 @@ def start_distributed(args, caught):
 
 
 def lost_peer(kind, error, trace):
-    """A collective with a dead peer raises here; exit before JAX's heartbeat would abort the process, with its
-    own C++ stack, at the next collective or ~100 s on (that abort no Python code can catch or precede)."""
+    """A collective with a dead peer may raise: exit before JAX's heartbeat aborts the process from C++."""
     if not issubclass(kind, jax.errors.JaxRuntimeError):
         return sys.__excepthook__(kind, error, trace)
     exit_now(1, RUN[0] if RUN else None, f"error: a collective with the other processes failed (one died?): "
@@ -998,22 +997,18 @@ def catch_stop_signals():
     for signum in stops:
         signal.signal(signum, lambda *_: None)
 
-    def tell(line):
-        with contextlib.suppress(OSError):  # os.write: this may interrupt a print
-            os.write(sys.stdout.fileno(), f"{line}\n".encode())
-
     def listen():
         while signum := os.read(STOP_PIPE[0], 1)[0]:
             if signum in stops and caught:
                 for tmp in SAVING:
                     with contextlib.suppress(OSError):
                         tmp.unlink(missing_ok=True)
-                tell(f"{signal.Signals(signum).name} again: stopped at once, without writing a checkpoint")
+                say(f"{signal.Signals(signum).name} again: stopped at once, without writing a checkpoint")
                 os._exit(128 + signum)
             if signum in stops:
                 caught.append(signum)
-                tell(f"{signal.Signals(signum).name}: stopping after the update in flight, with a checkpoint; a "
-                     "second signal stops at once, without one")
+                say(f"{signal.Signals(signum).name}: stopping after the update in flight, with a checkpoint; a "
+                    "second signal stops at once, without one")
 
     threading.Thread(target=listen, daemon=True).start()
     return caught
