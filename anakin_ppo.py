@@ -709,8 +709,9 @@ def check_flags(args, unit=(), positive=()):
                 valid = "in [0, 1]" if name in unit else "above 0" if name in positive else "at least 0"
                 fail(f"--{name.replace('_', '-')} {value} must be a finite number {valid}")
     if args.resume is not None and not Path(args.resume).is_file():
-        what = "a folder" if Path(args.resume).is_dir() else "not a file" if Path(args.resume).exists() else "missing"
-        fail(f"--resume {args.resume!r} is {what}: it takes a run's checkpoint.npz")
+        resume = Path(args.resume)
+        what = "a folder" if resume.is_dir() else "not a file" if resume.exists() else "no such file"
+        fail(f"--resume {args.resume!r}: {what}; it takes a run's checkpoint.npz")
 
 
 def check_fits(num_bytes, what, devices=()):

@@ -202,10 +202,11 @@ def test_a_signal_in_the_last_call_still_exits_with_its_status_after_the_final_c
 def test_a_resume_naming_a_folder_or_a_device_says_so(tmp_path, capsys):
     catch = load("anakin_catch.py")
     (tmp_path / "zero.npz").symlink_to("/dev/zero")
-    for path, what in [(tmp_path, "a folder"), (tmp_path / "zero.npz", "not a file"), (tmp_path / "no.npz", "missing")]:
+    for path, what in [(tmp_path, "a folder"), (tmp_path / "zero.npz", "not a file"),
+                       (tmp_path / "no.npz", "no such file")]:
         with pytest.raises(SystemExit):
             catch.check_flags(catch.Args(resume=str(path)))
-        assert capsys.readouterr().err == f"error: --resume {str(path)!r} is {what}: it takes a run's checkpoint.npz\n"
+        assert capsys.readouterr().err == f"error: --resume {str(path)!r}: {what}; it takes a run's checkpoint.npz\n"
 
 
 def test_a_sigint_while_jax_is_imported_stops_the_run_before_any_update(tmp_path):
