@@ -47,12 +47,14 @@ from functools import partial
 from pathlib import Path
 from typing import Callable, NamedTuple
 
-# Stop signals are noted from the script's first lines (a second one exits at once): raised as a
-# KeyboardInterrupt while JAX starts, one can be swallowed and the run trains on. `catch_stop_signals` acts.
-STOP_SIGNALS = []
+# From the script's first lines each stop signal only writes its number to STOP_PIPE (raised as a
+# KeyboardInterrupt while JAX starts, one could be swallowed and the run train on). `catch_stop_signals` acts.
+STOP_PIPE = os.pipe()
 if __name__ == "__main__":
+    os.set_blocking(STOP_PIPE[1], False)
+    signal.set_wakeup_fd(STOP_PIPE[1])
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(signum, lambda n, _: os._exit(128 + n) if STOP_SIGNALS else STOP_SIGNALS.append(n))
+        signal.signal(signum, lambda *_: None)
 
 import jax
 import jax.numpy as jnp
@@ -600,24 +602,28 @@ def pick_devices(args):
 
 
 def initial_state(args, env, mesh, batch):
-    """Every seed's TrainState on the mesh, fresh or --resume's, and the update it starts after."""
+    """What makes every seed's TrainState on the mesh, fresh or --resume's, its shapes, and the update it starts
+    after."""
     if args.total_timesteps < batch:
         fail(f"--total-timesteps {args.total_timesteps:,} is less than one update: {batch:,} steps "
              f"(--num-steps {args.num_steps} x {args.num_envs_per_device} envs x {mesh.size} devices)")
     init, shapes = init_on_mesh(args, env, mesh, args.num_envs_per_device * mesh.size)
     if not args.resume:
-        return init(), 0
+        return init, shapes, 0
     template = {"state": shapes, "update": np.int64(0), "global_step": np.int64(0)}
-    ckpt = load(args, template, batch, "same device count?")
-    return place(ckpt["state"], mesh), int(ckpt["update"])
+    ckpt = load(args, template, batch, f"here {args.num_envs_per_device} envs on each of {mesh.size} devices")
+    return partial(place, ckpt["state"], mesh), shapes, int(ckpt["update"])
 
 
-def compile_train(args, env, mesh, state, first, num_updates):
-    """make_train compiled ahead of time, so that SPS never includes compilation."""
+def compile_train(args, env, mesh, shapes, first, num_updates):
+    """make_train compiled ahead of time, so that SPS never includes compilation; refused if it cannot fit."""
     tic = time.time()
     train = make_train(args, env, mesh, num_updates)
-    train = train.lower(state, np.int32(first), np.int32(args.log_every)).compile()
+    train = train.lower(shapes, np.int32(first), np.int32(args.log_every)).compile()
     say(f"compiled in {time.time() - tic:.1f}s")
+    used = train.memory_analysis()
+    check_fits(used.temp_size_in_bytes + used.argument_size_in_bytes + used.output_size_in_bytes,
+               f"--num-seeds {args.num_seeds} x --num-envs-per-device {args.num_envs_per_device}", mesh.local_devices)
     return train
 
 
@@ -658,9 +664,9 @@ def main(args: Args) -> dict:
     mesh = pick_devices(args)
     batch = args.num_steps * args.num_envs_per_device * mesh.size
     num_updates = args.total_timesteps // batch
-    state, first = initial_state(args, env, mesh, batch)
-    run = open_run(args)
-    train = compile_train(args, env, mesh, state, first, num_updates)
+    make_state, shapes, first = initial_state(args, env, mesh, batch)
+    train = compile_train(args, env, mesh, shapes, first, num_updates)
+    state, run = make_state(), open_run(args)
     update, n, start, row = first, 0, time.time(), {}
     while update < num_updates:
         safe_point(caught, update, run, partial(checkpoint, args, run, state, update, batch),
@@ -676,7 +682,7 @@ def main(args: Args) -> dict:
         check_finite({name: value for name, value in row.items() if name.startswith("losses/")}, update, run)
         eta = (time.time() - start) / (update - first) * (num_updates - update)
         log(run, row, num_updates, num_updates * batch, eta)
-    checkpoint(args, run, state, update, batch)
+    safe_point(caught, update, run, partial(checkpoint, args, run, state, update, batch), due=True)
     row["checksum"] = checksum(state.params)
     say(f"checksum {row['checksum']}")
     return row
@@ -703,7 +709,18 @@ def check_flags(args, unit=(), positive=()):
                 valid = "in [0, 1]" if name in unit else "above 0" if name in positive else "at least 0"
                 fail(f"--{name.replace('_', '-')} {value} must be a finite number {valid}")
     if args.resume is not None and not Path(args.resume).is_file():
-        fail(f"--resume {args.resume!r}: no such checkpoint file")
+        resume = Path(args.resume)
+        what = "a folder" if resume.is_dir() else "not a file" if resume.exists() else "no such file"
+        fail(f"--resume {args.resume!r}: {what}; it takes a run's checkpoint.npz")
+
+
+def check_fits(num_bytes, what, devices=()):
+    """Refuse, up front, what cannot fit: `num_bytes` on each of `devices` (CPU devices share the host's memory)."""
+    memory = (devices[0].memory_stats() or {}).get("bytes_limit") if devices else None
+    if memory is None:
+        memory, num_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), num_bytes * max(1, len(devices))
+    if num_bytes > memory:
+        fail(f"{what} would need {num_bytes / 2**30:,.1f} GiB, more than the {memory / 2**30:,.1f} GiB here")
 
 
 def check_seed(seed, limit):
@@ -757,7 +774,16 @@ def start_distributed(args, caught):
         exit_now(2, None, f"error: --distributed: {why} (start every process with the same --coordinator-address and "
                           "--num-processes and its own --process-id; outside a cluster JAX detects (SLURM, Cloud TPU, "
                           "Kubernetes) give all three)")
+    sys.excepthook = lost_peer
     agree(args)
+
+
+def lost_peer(kind, error, trace):
+    """A collective with a dead peer may raise: exit before JAX's heartbeat aborts the process from C++."""
+    if not issubclass(kind, jax.errors.JaxRuntimeError):
+        return sys.__excepthook__(kind, error, trace)
+    exit_now(1, RUN[0] if RUN else None, f"error: a collective with the other processes failed (one died?): "
+                                         f"{str(error).splitlines()[0]}")
 
 
 def agree(args):
@@ -786,7 +812,8 @@ class Run(NamedTuple):
 def open_run(args):
     """A new folder {run-dir}/{env}__{exp-name}__{seed}__{unix time}[_1, _2, ...], its name made flat."""
     if jax.process_index() != 0:
-        return Run(None, None, None)
+        RUN.append(Run(None, None, None))
+        return RUN[0]
     name = "__".join("".join(c if c.isalnum() or c in "-_.+" else "_" for c in str(s))
                      for s in (args.env_id, args.exp_name, args.seed))
     base = Path(args.run_dir) / f"{name}__{int(time.time())}"
@@ -794,7 +821,8 @@ def open_run(args):
         try:
             folder.mkdir(parents=True)
             (folder / "args.json").write_text(json.dumps(dataclasses.asdict(args), indent=2))
-            return Run(folder, EventsWriter(str(folder / "events")), folder / "checkpoint.npz")
+            RUN.append(Run(folder, EventsWriter(str(folder / "events")), folder / "checkpoint.npz"))
+            return RUN[0]
         except FileExistsError:
             pass
         except OSError as e:
@@ -802,41 +830,45 @@ def open_run(args):
             fail(f"{blame}: cannot make the run folder {folder} ({e.strerror})")
 
 
-SAVING = []  # the temporary file `save` is writing, if any: a second stop signal removes it
+SAVING, RUN = [], []  # the temporary file `save` is writing, if any (a second stop signal removes it); the Run
 
 
 def catch_stop_signals():
     """SIGINT (Ctrl-C), SIGTERM (SLURM, Kubernetes) and SIGHUP (a closed terminal) are only noted, as raising
-    inside JAX or envpool could hang; `safe_point` acts on them. A second signal exits at once."""
-    caught = STOP_SIGNALS  # one noted since the script's first lines counts
+    inside JAX or envpool could hang; `safe_point` acts on them. A second signal exits at once. Python would run
+    handlers only once the main thread is back from XLA, and two as one: a thread reads each from STOP_PIPE."""
+    caught, stops = [], (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    os.set_blocking(STOP_PIPE[1], False)
+    signal.set_wakeup_fd(STOP_PIPE[1])  # as the first lines do, for a script loaded as a module
+    for signum in stops:
+        signal.signal(signum, lambda *_: None)
 
-    def tell(signum):
-        with contextlib.suppress(OSError):  # os.write: this may interrupt a print
-            os.write(sys.stdout.fileno(), f"{signal.Signals(signum).name}: stopping after the update in flight, "
-                     "with a checkpoint; a second signal stops at once, without one\n".encode())
+    def listen():
+        while signum := os.read(STOP_PIPE[0], 1)[0]:
+            if signum in stops and caught:
+                for tmp in SAVING:
+                    with contextlib.suppress(OSError):
+                        tmp.unlink(missing_ok=True)
+                say(f"{signal.Signals(signum).name} again: stopped at once, without writing a checkpoint")
+                os._exit(128 + signum)
+            if signum in stops:
+                caught.append(signum)
+                say(f"{signal.Signals(signum).name}: stopping after the update in flight, with a checkpoint; a "
+                    "second signal stops at once, without one")
 
-    def note(signum, _):
-        if caught:
-            for tmp in SAVING:
-                with contextlib.suppress(OSError):
-                    tmp.unlink(missing_ok=True)
-            os._exit(128 + signum)
-        caught.append(signum)
-        tell(signum)
-
-    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(signum, note)
-    if caught:
-        tell(caught[0])
+    threading.Thread(target=listen, daemon=True).start()
     return caught
 
 
 def safe_point(caught, update, run, checkpoint, due):
-    """Between updates: `checkpoint()` if `due`; on a signal caught by any process, checkpoint and exit (all)."""
+    """Between updates and at the end: `checkpoint()` if `due`; then, on a signal caught by any process (in
+    that checkpoint too), checkpoint if not done and exit (all)."""
+    if due:
+        checkpoint()
     signum = caught[0] if caught else 0
     if jax.process_count() > 1:
         signum = int(np.max(multihost_utils.process_allgather(np.int32(signum))))
-    if signum or due:
+    if signum and not due:
         checkpoint()
     if signum:
         exit_now(128 + signum, run, f"stopped by {signal.Signals(signum).name} after update {update}")
@@ -875,18 +907,21 @@ def load(args, template, batch, hint):
             arrays = {name: f[name] for name in names & set(f.files)}
     except Exception as e:  # empty, truncated, random bytes, pickled
         fail(f"--resume {args.resume!r} is not a readable checkpoint ({type(e).__name__}: {str(e).splitlines()[0]})")
-    for name, like in flat(template).items():
-        got = arrays.get(name)
-        if got is None or got.shape != like.shape or got.dtype != like.dtype:
-            found = "missing" if got is None else f"{got.dtype}{list(got.shape)}"
-            fail(f"--resume {args.resume!r} does not match this run: {name} is {found}, expected {like.dtype}"
-                 f"{list(like.shape)} ({hint})")
     try:
         saved = json.loads(str(arrays["args"]))
     except (KeyError, ValueError):
         saved = None
     if not isinstance(saved, dict):
         fail(f"--resume {args.resume!r} does not match this run: it records no flags as a JSON object ({hint})")
+    hosts = saved.get("num_processes") if saved.get("distributed") else 1
+    if isinstance(hosts, int) and hosts != jax.process_count():  # shapes and steps count every host's envs
+        hint = f"its run had {hosts} processes, this one {jax.process_count()}; {hint}"
+    for name, like in flat(template).items():
+        got = arrays.get(name)
+        if got is None or got.shape != like.shape or got.dtype != like.dtype:
+            found = "missing" if got is None else f"{got.dtype}{list(got.shape)}"
+            fail(f"--resume {args.resume!r} does not match this run: {name} is {found}, expected {like.dtype}"
+                 f"{list(like.shape)} ({hint})")
     now = json.loads(json.dumps(dataclasses.asdict(args)))
     free = ("total_timesteps", "log_every", "checkpoint_every", "run_dir", "exp_name", "resume", "distributed",
             "coordinator_address", "num_processes", "process_id", "peer_timeout")

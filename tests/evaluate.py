@@ -1,7 +1,7 @@
 """Score and watch a trained agent: whole games played with the policy of a run's checkpoint.npz.
 
 usage: python tests/evaluate.py CHECKPOINT [--episodes N] [--greedy] [--seed S] [--agent I] [--gif FILE]
-                                           [--gif-every K]
+                                           [--gif-every K] [--allow-import MODULE]
 
 A checkpoint records its run's flags, and their names are the fields of one script's `Args`: that
 says which of the four scripts wrote it. That script's own pieces then play, loaded by the test
@@ -20,6 +20,8 @@ MinAtar's channels in colour, the boards of Catch the agent acted on, CartPole's
 Pendulum's pendulum (drawn from the observations; other vector envs have no picture).
 --gif-every K keeps every K-th step, to keep a long game's GIF small.
 --agent picks one agent of an `anakin_ppo.py --num-seeds N` run (default: the first).
+A checkpoint is data: the module of a recorded `--env-id module:Name` is imported (its code run) only if
+this repository ships it (tests.minatar_envs) or --allow-import names it.
 """
 
 import argparse
@@ -44,6 +46,7 @@ from conftest import ROOT, load
 
 sys.path.insert(0, str(ROOT))  # gymnasium ids such as tests.minatar_envs:MinAtar/Breakout-v1 import from here
 SCRIPTS = ("anakin_catch.py", "anakin_ppo.py", "sebulba_impala.py", "sebulba_ppo_atari.py")
+SHIPPED = ("tests.minatar_envs",)  # the modules of this repository that a recorded env id may import
 
 
 class Outcome(NamedTuple):
@@ -90,6 +93,14 @@ def read_checkpoint(path):
     return arrays, flags
 
 
+def check_imports(path, flags, allowed):
+    """Whoever wrote the file chose its env id: a `module:Name` one would run that module's code."""
+    module = str(flags.get("env_id")).rpartition(":")[0]
+    if module and module not in (*SHIPPED, *allowed):
+        fail(f"{path} records --env-id {flags['env_id']!r}, which imports module {module!r} (runs its code): "
+             f"add --allow-import {module} if you trust it")
+
+
 def identify(path, flags):
     """The script whose `Args` has exactly these flags, as a module, and the run's Args."""
     for script in SCRIPTS:
@@ -113,6 +124,18 @@ def state_template(script, module, args):
         return args, module.init_on_mesh(args, module.ENVS[args.env_id], one_device, 1)[1]
     args, env = module.check_args(args)
     return args, jax.eval_shape(partial(module.init_state, jax.random.PRNGKey(args.seed), args, env, 1))
+
+
+def check_fits(script, module, args, episodes):
+    """Refuse games that cannot fit in memory: each holds at least its observation and its score, length and
+    end (17 bytes)."""
+    if script == "anakin_catch.py":
+        obs = module.ROWS * module.COLS * 4
+    elif script == "anakin_ppo.py":
+        obs = module.ENVS[args.env_id].obs_size * 4
+    else:  # a byte an element at least (Atari's frames)
+        obs = int(np.prod(module.describe_env(args.env_id, args.machado).obs_shape))
+    module.check_fits(episodes * (obs + 17), f"--episodes {episodes}")
 
 
 def read_params(path, script, module, arrays, template):
@@ -326,6 +349,8 @@ def parse_args(argv):
     parser.add_argument("--gif", type=Path, help="write the first game as an animated GIF")
     parser.add_argument("--gif-every", type=int, default=1, metavar="K",
                         help="keep every K-th step in the GIF, each shown K times as long (a whole Atari game: 2)")
+    parser.add_argument("--allow-import", action="append", default=[], metavar="MODULE",
+                        help="let the checkpoint's --env-id MODULE:Name import MODULE (it runs its code)")
     args = parser.parse_args(argv)
     if args.episodes < 1:
         fail(f"--episodes {args.episodes} must be at least 1")
@@ -333,9 +358,23 @@ def parse_args(argv):
         fail(f"--seed {args.seed} must be in 0..{2**31 - args.episodes - 1:,}")
     if args.gif_every < 1:
         fail(f"--gif-every {args.gif_every} must be at least 1")
-    if args.gif and not args.gif.parent.is_dir():
-        fail(f"--gif {args.gif}: folder {args.gif.parent} does not exist")
+    if args.gif and args.gif.suffix.lower() != ".gif":
+        fail(f"--gif {args.gif}: the file's name must end in .gif")
+    if args.gif:
+        check_writable(args.gif)
     return args
+
+
+def check_writable(path):
+    """A file written after all the games: whether it can be is found out before the first."""
+    new = not path.exists()
+    try:
+        with open(path, "ab"):
+            pass
+        if new:
+            path.unlink()
+    except OSError as e:
+        fail(f"--gif {path}: cannot write there ({e.strerror})")
 
 
 def summary(name, values, digits):
@@ -347,8 +386,10 @@ def main(argv=None):
     """Play, print the figures (and write the GIF); return the Evaluation."""
     opts = parse_args(argv)
     arrays, flags = read_checkpoint(opts.checkpoint)
+    check_imports(opts.checkpoint, flags, opts.allow_import)
     script, module, args = identify(opts.checkpoint, flags)
     args, template = state_template(script, module, args)
+    check_fits(script, module, args, opts.episodes)
     params = read_params(opts.checkpoint, script, module, arrays, template)
     params = pick_agent(script, args, params, opts.agent)
     game = GAMES[script](module, args, params, opts)

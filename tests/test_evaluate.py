@@ -1,7 +1,10 @@
 """tests/evaluate.py: every script's checkpoint plays whole games and draws a GIF of one, a trained
 Catch agent scores near the optimum, and damaged, foreign or mismatched files are one error line."""
 
+import dataclasses
 import json
+import re
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -135,8 +138,20 @@ def test_foreign_files_and_bad_flags_are_refused(checkpoints, tmp_path, capsys):
     assert "is not a readable checkpoint" in refused([path], capsys)
     assert "is not a readable checkpoint" in refused([tmp_path / "missing.npz"], capsys)
     assert "--episodes 0 must be at least 1" in refused([checkpoints["catch"], "--episodes", 0], capsys)
-    assert "does not exist" in refused([checkpoints["catch"], "--gif", tmp_path / "no" / "x.gif"], capsys)
     assert "--gif-every 0 must be at least 1" in refused([checkpoints["catch"], "--gif-every", 0], capsys)
+
+
+def test_a_gif_that_cannot_be_written_is_refused_before_the_checkpoint_is_read(tmp_path, capsys):
+    (tmp_path / "folder.gif").mkdir()
+    (tmp_path / "file").touch()
+    for gif, words in [(tmp_path / "folder.gif", "cannot write there (Is a directory)"),
+                       (tmp_path / "game.txt", "the file's name must end in .gif"),
+                       (tmp_path / "no" / "game.gif", "cannot write there (No such file or directory)"),
+                       (tmp_path / "file" / "game.gif", "cannot write there (Not a directory)"),
+                       (Path("/sys/game.gif"), "cannot write there")]:  # read-only, even for root
+        line = refused([tmp_path / "missing.npz", "--gif", gif], capsys)
+        assert line.startswith(f"error: --gif {gif}: {words}"), line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "folder.gif"]
 
 
 def test_a_checkpoint_whose_arrays_do_not_fit_its_flags_is_refused(checkpoints, tmp_path, capsys):
@@ -147,3 +162,23 @@ def test_a_checkpoint_whose_arrays_do_not_fit_its_flags_is_refused(checkpoints, 
     np.savez(path, **arrays, args=json.dumps({**flags, "env_id": "CartPole-v1"}))  # 3 inputs: not CartPole's
     line = refused([path], capsys)
     assert "does not match anakin_ppo.py's network" in line and "state/params/actor/layer0/w" in line
+
+
+def test_a_checkpoint_whose_env_id_names_a_module_imports_it_only_when_the_user_allows_it(tmp_path, monkeypatch,
+                                                                                          capsys):
+    (tmp_path / "planted.py").write_text("from pathlib import Path\nPath(__file__).with_name('ran').touch()\n")
+    monkeypatch.syspath_prepend(tmp_path)  # importable, as a module beside the repository's files would be
+    path = tmp_path / "checkpoint.npz"
+    np.savez(path, args=json.dumps(dataclasses.asdict(load("sebulba_impala.py").Args(env_id="planted:CartPole-v1"))))
+    assert refused([path], capsys) == (f"error: {path} records --env-id 'planted:CartPole-v1', which imports module "
+                                       "'planted' (runs its code): add --allow-import planted if you trust it")
+    assert not (tmp_path / "ran").exists()
+    line = refused([path, "--allow-import", "planted"], capsys)  # imported, then found to hold no network
+    assert (tmp_path / "ran").exists() and "does not match sebulba_impala.py's network" in line
+
+
+def test_more_games_than_memory_holds_are_refused_before_any_is_played(tmp_path, capsys):
+    path = tmp_path / "checkpoint.npz"
+    np.savez(path, args=json.dumps(dataclasses.asdict(load("anakin_catch.py").Args())))  # flags, then no network
+    line = refused([path, "--episodes", 10**9], capsys)
+    assert re.match(r"error: --episodes 1000000000 would need [\d,.]+ GiB, more than the [\d,.]+ GiB here$", line)

@@ -137,7 +137,9 @@ DAMAGED = {
     "flags as garbled JSON": ({"args": "{seed: 1"}, "it records no flags as a JSON object"),
     "flags as a list": ({"args": "[1, 2]"}, "it records no flags as a JSON object"),
     "flags as a number": ({"args": "7"}, "it records no flags as a JSON object"),
-    "a seed recorded as a string": ({"args": "seed"}, 'comes from a run with --seed "1", not 1 ('),
+    "a seed recorded as a string": ({"args": {"seed": "1"}}, 'comes from a run with --seed "1", not 1 ('),
+    "the envs of two processes": ({"w": np.ones(6, np.float32), "args": {"distributed": True, "num_processes": 2}},
+                                  "w is float32[6], expected float32[3] (its run had 2 processes, this one 1; hint)"),
 }
 
 
@@ -148,8 +150,8 @@ def test_a_damaged_checkpoint_is_one_error_line_and_its_unknown_arrays_stay_unre
     args = catch.Args(resume=str(tmp_path / "c.npz"), total_timesteps=10**6)
     template = {"w": np.zeros(3, np.float32), "update": np.int64(0), "global_step": np.int64(0)}
     changes, words = DAMAGED.get(case, ({}, None))
-    if changes.get("args") == "seed":
-        changes = {"args": json.dumps({**dataclasses.asdict(args), "seed": "1"})}
+    if isinstance(changes.get("args"), dict):  # these flags changed
+        changes = {**changes, "args": json.dumps({**dataclasses.asdict(args), **changes["args"]})}
     np.savez(args.resume, **{"w": np.ones(3, np.float32), "update": np.int64(2), "global_step": np.int64(32),
                              "args": json.dumps(dataclasses.asdict(args)), **changes})
     read, real = [], np.lib.npyio.NpzFile.__getitem__
@@ -164,6 +166,49 @@ def test_a_damaged_checkpoint_is_one_error_line_and_its_unknown_arrays_stay_unre
     assert err.count("\n") == 1 and "junk" not in read
 
 
+def signals_in_the_last_call(tmp_path, signum, count):
+    """`count` signals 50 ms apart half a second into a run's one compiled call (several seconds long; no safe
+    point follows it); returns the exit status, the output and the seconds from the last signal to the exit."""
+    proc = spawn("anakin_catch.py", [*quick("anakin_catch.py", budget=5000 * 16 * 8), "--log-every", 5000,
+                                     "--run-dir", tmp_path / "runs"], tmp_path)
+    try:
+        before = wait_for_line(proc, "compiled in")
+        while not list((tmp_path / "runs").glob("*/args.json")):
+            time.sleep(0.01)  # with the program compiled and the run folder made, the call comes next
+        time.sleep(0.5)
+        for i in range(count):
+            time.sleep(0.05 if i else 0)
+            proc.send_signal(signum)
+        sent = time.monotonic()
+        output = before + proc.communicate(timeout=300)[0]
+        return proc.returncode, output, time.monotonic() - sent
+    finally:
+        proc.kill()
+
+
+def test_a_second_signal_50_ms_after_the_first_exits_at_once_while_xla_computes(tmp_path):
+    returncode, output, took = signals_in_the_last_call(tmp_path, signal.SIGINT, 2)
+    assert returncode == 130 and took < 3 and "stopped by" not in output, (returncode, took, output[-3000:])
+    assert output.count("SIGINT: stopping after the update in flight") == 1, output[-3000:]
+
+
+def test_a_signal_in_the_last_call_still_exits_with_its_status_after_the_final_checkpoint(tmp_path):
+    returncode, output, _ = signals_in_the_last_call(tmp_path, signal.SIGTERM, 1)
+    assert returncode == 143 and "stopped by SIGTERM after update 5000; the checkpoint" in output, output[-3000:]
+    with np.load(next((tmp_path / "runs").glob("*/checkpoint.npz")), allow_pickle=False) as f:
+        assert int(f["update"]) == 5000
+
+
+def test_a_resume_naming_a_folder_or_a_device_says_so(tmp_path, capsys):
+    catch = load("anakin_catch.py")
+    (tmp_path / "zero.npz").symlink_to("/dev/zero")
+    for path, what in [(tmp_path, "a folder"), (tmp_path / "zero.npz", "not a file"),
+                       (tmp_path / "no.npz", "no such file")]:
+        with pytest.raises(SystemExit):
+            catch.check_flags(catch.Args(resume=str(path)))
+        assert capsys.readouterr().err == f"error: --resume {str(path)!r}: {what}; it takes a run's checkpoint.npz\n"
+
+
 def test_a_sigint_while_jax_is_imported_stops_the_run_before_any_update(tmp_path):
     # Sent once jaxlib's libraries are mapped, while `import jax` runs: a KeyboardInterrupt raised there could
     # be swallowed and the run would train to the end, so the stop handlers are installed before it.
@@ -174,6 +219,24 @@ def test_a_sigint_while_jax_is_imported_stops_the_run_before_any_update(tmp_path
     assert "Traceback" not in output and "Exception ignored" not in output and "update 1/" not in output, output
     with np.load(next((tmp_path / "runs").glob("*/checkpoint.npz")), allow_pickle=False) as f:
         assert int(f["update"]) == 0
+
+
+def test_two_sigints_while_jax_is_imported_exit_at_once_with_one_line_each(tmp_path):
+    script = "sebulba_impala.py"
+    proc = spawn(script, [*quick(script), "--run-dir", tmp_path / "runs"], tmp_path)
+
+    def twice():
+        if "jaxlib" not in Path(f"/proc/{proc.pid}/maps").read_text():
+            return False
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.05)
+        return True
+
+    output = signal_once(proc, twice, signal.SIGINT)
+    assert proc.returncode == 130 and output.splitlines() == [
+        "SIGINT: stopping after the update in flight, with a checkpoint; a second signal stops at once, without one",
+        "SIGINT again: stopped at once, without writing a checkpoint"], output[-3000:]
+    assert not (tmp_path / "runs").exists()
 
 
 # ---- Multi-host: peers agree before they train, a missing one is a bounded wait, a dead one ends the run ----
@@ -304,6 +367,24 @@ def test_a_dead_peer_ends_the_survivor_and_its_last_checkpoint_resumes(tmp_path)
     assert resumed.metrics[0]["update"] == update + 5
 
 
+def test_a_peer_that_dies_before_the_first_update_ends_the_survivor_at_once_with_one_line(tmp_path):
+    # The survivor's first collective with it (the stop-signal check before update 1) raises; one that hangs
+    # inside a compiled call instead ends with JAX's own abort (the test above).
+    procs, roots = spawn_two_hosts("anakin_catch.py", quick("anakin_catch.py"), tmp_path, devices=2)
+    try:
+        before = wait_for_line(procs[0], "compiled in")
+        procs[1].kill()
+        killed = time.monotonic()
+        output = before + procs[0].communicate(timeout=300)[0]
+        waited = time.monotonic() - killed
+    finally:
+        for proc in procs:
+            proc.kill()
+    line = one_error(Result(procs[0].returncode, output))
+    assert line.startswith("error: a collective with the other processes failed (one died?): UNKNOWN: Gloo ")
+    assert line.endswith(f"; no checkpoint is in {next(roots[0].iterdir())}") and waited < 30, (waited, line)
+
+
 # ---- Faults of the run folder, stdout and the terminal ------------------------------------
 
 @pytest.fixture
@@ -386,18 +467,21 @@ def test_a_run_folder_made_immutable_or_deleted_mid_run_ends_the_run_with_one_li
 
 
 SECOND_SIGNAL_WHILE_SAVING = """
-import os, signal, sys
+import os, signal, sys, time
 from pathlib import Path
 sys.path.insert(0, sys.argv[1])
 from conftest import load
 catch = load("anakin_catch.py")
-catch.catch_stop_signals()
+caught = catch.catch_stop_signals()
 os.kill(os.getpid(), signal.SIGTERM)  # the first: noted, and said
+while not caught:
+    time.sleep(0.001)
 write = catch.np.savez
 def savez(file, **arrays):  # the second arrives once the temporary file is written, before it is moved into place
     write(file, **arrays)
     print("written:", os.path.exists(file), flush=True)
     os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(60)  # a slow disk
 catch.np.savez = savez
 folder = Path(sys.argv[2])
 catch.save(catch.Run(folder, None, folder / "checkpoint.npz"), {"w": catch.np.zeros(3)}, catch.Args())
@@ -410,7 +494,8 @@ def test_a_second_signal_while_the_checkpoint_is_written_exits_at_once_leaving_n
                           env=_env(1, None), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 128 + signal.SIGTERM, proc.stdout + proc.stderr
     assert proc.stdout.splitlines() == ["SIGTERM: stopping after the update in flight, with a checkpoint; a second "
-                                        "signal stops at once, without one", "written: True"], proc.stdout
+                                        "signal stops at once, without one", "written: True",
+                                        "SIGTERM again: stopped at once, without writing a checkpoint"], proc.stdout
     assert list(tmp_path.iterdir()) == []
 
 
@@ -516,10 +601,23 @@ def test_every_float_flag_is_checked_up_front(script, capsys):
             assert line.startswith(f"error: --{name.replace('_', '-')} "), (name, value, line)
 
 
-@pytest.mark.parametrize("script", ["sebulba_impala.py", "sebulba_ppo_atari.py"])
-def test_env_counts_whose_rollouts_cannot_fit_in_memory_are_refused(tmp_path, script):
-    line = error_line(run(script, [*quick(script), "--local-num-envs", 100_000_000], tmp_path, timeout=120))
-    assert "--local-num-envs 100000000" in line and "GiB" in line
+# Counts within the budget check whose buffers would need terabytes, and the flags the error line names.
+TOO_BIG = {
+    "anakin_catch.py": (["--num-envs-per-device", 2**30, "--total-timesteps", 10**12],
+                        f"--num-envs-per-device {2**30}"),
+    "anakin_ppo.py": (["--num-seeds", 64, "--num-envs-per-device", 2**17, "--total-timesteps", 10**10],
+                      f"--num-seeds 64 x --num-envs-per-device {2**17}"),
+    **{script: ([*quick(script), "--local-num-envs", 10**8], "the rollouts of 1 actor threads x --local-num-envs "
+                f"{10**8}") for script in ("sebulba_impala.py", "sebulba_ppo_atari.py")},
+}
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_env_counts_that_cannot_fit_in_memory_are_refused_before_the_run_folder(tmp_path, script):
+    flags, what = TOO_BIG[script]
+    result = run(script, flags, tmp_path, timeout=120)
+    assert re.match(rf"error: {what} would need [\d,.]+ GiB, more than the [\d,.]+ GiB here$", error_line(result))
+    assert result.run_dir is None
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
