@@ -497,7 +497,7 @@ def collect(groups, params, states, num_steps):
                 env_send(envs, actions)
                 taken[g], state = (state.obs, actions, logits), state._replace(key=key)
             states[g] = state
-    # Each field crosses to the host once, then the groups go side by side: [T, E, ...]
+    # What stayed on the actor device comes to the host in one go, then the groups go side by side: [T, E, ...]
     rollout = jax.tree.map(lambda *x: np.concatenate(x, axis=1), *[
         jax.tree.map(lambda *x: np.stack(jax.device_get(x)), *group_steps) for group_steps in steps])
     rollout = rollout._replace(obs=np.concatenate([rollout.obs, np.concatenate([s.obs for s in states])[None]]),

@@ -501,7 +501,7 @@ def collect(groups, params, states, num_steps):
     for g, state in enumerate(states):
         _, _, value, key = act(params, state.obs, state.key)
         bootstrap, states[g] = bootstrap + [value], state._replace(key=key)
-    # Each field crosses to the host once, then the groups go side by side: [T, E, ...]
+    # What stayed on the actor device comes to the host in one go, then the groups go side by side: [T, E, ...]
     rollout = jax.tree.map(lambda *x: np.concatenate(x, axis=1), *[
         jax.tree.map(lambda *x: np.stack(jax.device_get(x)), *group_steps) for group_steps in steps])
     rollout = rollout._replace(values=np.concatenate([rollout.values, np.concatenate(jax.device_get(bootstrap))[None]]),
