@@ -6,6 +6,8 @@ and reports ratios measured in the same run, so the figures hold on a noisy mach
 
 A case is a function `bench_NAME()` registered in CASES; it calls `worker(...)` to run a
 measurement function of this file in a child process and returns a list of table rows.
+`--baseline COMMIT` also trains that commit's Sebulba scripts, in turns with today's.
+`--gpu-check [--tiny]` runs the GPU check instead (tests/figures/README.md, "The GPU check").
 """
 
 import argparse
