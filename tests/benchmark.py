@@ -306,14 +306,14 @@ def bench_ppo():
 # one JSON, rewritten after each configuration. --tiny: the same at a tiny size, to test it on a CPU.
 
 GPU_GRID = [  # (script, flags beyond Breakout-v5 and the script's defaults, agent steps to train)
-    ("sebulba_impala.py", {}, 150_000),  # deep ResNet, 2 threads x 16 envs
+    ("sebulba_impala.py", {}, 120_000),  # deep ResNet, 2 threads x 16 envs
     ("sebulba_ppo_atari.py", {}, 100_000),  # Nature CNN, 2 threads x 16 envs x 128 steps
-    ("sebulba_impala.py", {"local_num_envs": 32, "async_envs": True}, 200_000),
-    ("sebulba_impala.py", {"num_actor_threads": 4, "local_num_envs": 32}, 300_000),
-    ("sebulba_impala.py", {"num_actor_threads": 4, "local_num_envs": 64, "async_envs": True}, 400_000),
-    ("sebulba_ppo_atari.py", {"local_num_envs": 32, "async_envs": True}, 150_000),
-    ("sebulba_impala.py", {"num_actor_threads": 8, "local_num_envs": 32, "async_envs": True}, 400_000),
-    ("sebulba_ppo_atari.py", {"num_actor_threads": 4, "local_num_envs": 32, "async_envs": True}, 200_000),
+    ("sebulba_impala.py", {"local_num_envs": 32, "async_envs": True}, 150_000),
+    ("sebulba_impala.py", {"num_actor_threads": 4, "local_num_envs": 32}, 200_000),
+    ("sebulba_impala.py", {"num_actor_threads": 4, "local_num_envs": 64, "async_envs": True}, 250_000),
+    ("sebulba_ppo_atari.py", {"local_num_envs": 32, "async_envs": True}, 120_000),
+    ("sebulba_impala.py", {"num_actor_threads": 8, "local_num_envs": 32, "async_envs": True}, 250_000),
+    ("sebulba_ppo_atari.py", {"num_actor_threads": 4, "local_num_envs": 32, "async_envs": True}, 150_000),
 ]
 TINY = {"local_num_envs": 2, "num_steps": 4}  # --tiny: these flags, two updates, one config a script
 START_S, STOP_S = 400, 480  # no configuration starts after START_S, and none runs past STOP_S (killed)
