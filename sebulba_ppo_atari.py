@@ -71,6 +71,11 @@ import gymnasium as gym
 
 @dataclass
 class Args:
+    """A host with N CPU cores and one GPU: the defaults act and learn on the GPU and share the N cores out
+    among envpool's threads; more envs per policy call fill the GPU better: try 2-4 actor threads x 32-64 envs,
+    with --async-envs (a larger batch also changes what each update learns from). The GPU check measures such
+    a grid on the machine: `python tests/benchmark.py --gpu-check` (tests/figures/README.md)."""
+
     env_id: str = "Breakout-v5"
     """an envpool id with images (Atari `*-v5`) or any gymnasium id (`module:Name-v0` imports `module` first)"""
     exp_name: str = Path(__file__).stem
@@ -92,10 +97,7 @@ class Args:
     local_num_envs: int = 16
     """envs per actor thread (one env batch, one policy call per step)"""
     async_envs: bool = False
-    """each actor thread steps two halves of its envs in turn, one half's step running in envpool's threads while
-    the policy acts for the other. A host with N cores and one GPU: envpool's threads are sized to the N cores
-    (shared by all env batches); try 2-4 threads x 32-64 envs with --async-envs (a larger batch also changes
-    what a step teaches); `python tests/benchmark.py --gpu-check` measures such a grid (README.md, Speed)"""
+    """two halves of a thread's envs take turns: one steps (envpool's threads) while the policy acts for the other"""
     num_steps: int = 128
     """rollout length per env per update"""
     gamma: float = 0.99
