@@ -8,8 +8,8 @@ IMPALA paper's protocol) or gymnasium id.
 
     host CPU (per host)                 actor device(s)              learner devices (all hosts)
     -------------------                 ---------------              ---------------------------
-    actor thread k: env batch      -->  act(params, obs): sample,
-      (--local-num-envs envs)      <--  logits (jit)
+    actor thread k: env batch      -->  act(params, obs): sample (jit)
+      (--local-num-envs envs)      <--  actions (logits stay until the rollout ends)
       --num-steps steps, then the rollout [T, E, ...] is split along E
                                    ------------------------------>  learner 0 | learner 1 | ...
                                         (device_put, bounded queue)  V-trace loss, summed over the
@@ -76,6 +76,11 @@ warnings.filterwarnings("ignore", message=".*precision lowered.*")
 
 @dataclass
 class Args:
+    """A host with N CPU cores and one GPU: the defaults act and learn on the GPU and share the N cores out
+    among envpool's threads; more envs per policy call fill the GPU better: try 2-4 actor threads x 32-64 envs,
+    with --async-envs (a larger batch also changes what each update learns from). The GPU check measures such
+    a grid on the machine: `python tests/benchmark.py --gpu-check` (tests/figures/README.md)."""
+
     env_id: str = "Breakout-v5"
     """an envpool id (Atari `*-v5`, `CartPole-v1`, ...) or any gymnasium id (`module:Name-v0` imports `module` first)"""
     exp_name: str = Path(__file__).stem
@@ -96,6 +101,8 @@ class Args:
     """Python actor threads per actor device: one steps its envs while another runs inference"""
     local_num_envs: int = 16
     """envs per actor thread (one env batch, one policy call per step)"""
+    async_envs: bool = False
+    """two halves of a thread's envs take turns: one steps (envpool's threads) while the policy acts for the other"""
     num_steps: int | None = None
     """rollout length per env per update, the IMPALA paper's unroll (default: 20 images, 16 vectors)"""
     gamma: float = 0.99
@@ -219,10 +226,23 @@ def make_envs(args, num_envs, seed):
     env = describe_env(args.env_id, args.machado)
     if env.source == "envpool":
         kwargs = atari_kwargs(args.machado) if env.atari else {}
-        pool = envpool.make(args.env_id, env_type="gymnasium", num_envs=num_envs, seed=seed, **kwargs)
+        pool = envpool.make(args.env_id, env_type="gymnasium", num_envs=num_envs, seed=seed,
+                            num_threads=min(num_envs, pool_threads(args)), **kwargs)
     else:  # gymnasium's vector envs autoreset on the next step by default, like envpool
         pool = gym.make_vec(args.env_id.rpartition(":")[2], num_envs=num_envs, vectorization_mode="sync")
     return Envs(pool, env, seed)
+
+
+def env_groups(args):
+    """Env batches per actor thread: two with --async-envs, which take turns (see collect)."""
+    return 2 if args.async_envs else 1
+
+
+def pool_threads(args):
+    """envpool threads per env batch: the host's cores shared among all its batches (each batch would
+    otherwise start a thread per core, and together they would oversubscribe the cores)."""
+    batches = len(args.actor_device_ids or [0]) * args.num_actor_threads * env_groups(args)
+    return max(1, len(os.sched_getaffinity(0)) // batches)
 
 
 def host_obs(obs, env):
@@ -238,8 +258,18 @@ def env_reset(envs):
     return host_obs(obs, envs.env)
 
 
-def env_step(envs, actions):
-    obs, reward, terminated, truncated, info = envs.pool.step(actions)
+def env_send(envs, actions):
+    """Start the envs' step: envpool runs it in its own threads until env_step(..., sent=True) collects it."""
+    if envs.env.source == "envpool":
+        envs.pool.send(actions)
+
+
+def env_step(envs, actions, sent=False):
+    """The Step of `actions`: with `sent`, the one env_send started (gymnasium's steps only now)."""
+    if sent and envs.env.source == "envpool":
+        obs, reward, terminated, truncated, info = envs.pool.recv()
+    else:
+        obs, reward, terminated, truncated, info = envs.pool.step(actions)
     if envs.env.atari:
         score, game_over = info["reward"], info["terminated"].astype(bool) | truncated  # the whole game's
     else:
@@ -436,34 +466,60 @@ class ActorStats(NamedTuple):
     returns: list  # whole games that ended during the rollout
     lengths: list
     inference_time: float  # seconds per rollout in the policy, fetching its actions included
-    env_step_time: float  # seconds per rollout in the envs' step
+    env_step_time: float  # seconds per rollout waiting for the envs' steps
     rollout_time: float = 0.0  # seconds per rollout in all
     lag: int = 0  # updates between the acting parameters and the learner's
     actor_params_wait: float = 0.0  # seconds waiting for parameters recent enough
     actor_queue_wait: float = 0.0  # seconds the previous rollout waited for room in the queue
 
 
-def collect(envs, params, state, num_steps):
-    """Step the envs `num_steps` times with the policy: the Rollout, the next ActorState, ActorStats."""
-    steps, returns, lengths, inference_s, env_s = [], [], [], 0.0, 0.0
-    for _ in range(num_steps):
-        t0 = time.perf_counter()
-        actions, logits, key = act(params, state.obs, state.key)
-        actions, logits = jax.device_get((actions, logits))
-        t1 = time.perf_counter()
-        step = env_step(envs, actions)
-        inference_s, env_s = inference_s + t1 - t0, env_s + time.perf_counter() - t1
-        steps.append(Rollout(state.obs, actions, logits, step.reward, step.terminated, ~state.ended))
-        # A reset step (after any episode end, a life lost included) ignores the action: no step of a game.
-        game_return, game_length = state.game_return + step.score, state.game_length + ~state.ended
-        returns += game_return[step.game_over].tolist()
-        lengths += game_length[step.game_over].tolist()
-        state = ActorState(step.obs, key, step.ended, np.where(step.game_over, 0.0, game_return),
-                           np.where(step.game_over, 0, game_length))
-    rollout = jax.tree.map(lambda *x: np.stack(x), *steps)
-    rollout = rollout._replace(obs=np.concatenate([rollout.obs, state.obs[None]]),  # x_T, the bootstrap observation
+def collect(groups, params, states, num_steps):
+    """Step each group of envs `num_steps` times with the policy, the groups taking turns: envpool steps one
+    group in its threads while the policy acts for the next. Only the actions leave the actor device each step.
+    Returns the Rollout (the groups' envs side by side), the groups' next ActorStates and ActorStats."""
+    steps, taken, states = [[] for _ in groups], [None] * len(groups), list(states)
+    returns, lengths, inference_s, env_s = [], [], 0.0, 0.0
+    for t in range(num_steps + 1):
+        for g, (envs, state) in enumerate(zip(groups, states)):
+            if t > 0:  # the step this group sent at t - 1
+                obs, actions, logits = taken[g]
+                t0 = time.perf_counter()
+                step = env_step(envs, actions, sent=True)
+                env_s += time.perf_counter() - t0
+                steps[g].append(Rollout(obs, actions, logits, step.reward, step.terminated, ~state.ended))
+                # A reset step (after any episode end, a life lost included) ignores the action: no step of a game.
+                game_return, game_length = state.game_return + step.score, state.game_length + ~state.ended
+                returns += game_return[step.game_over].tolist()
+                lengths += game_length[step.game_over].tolist()
+                state = ActorState(step.obs, state.key, step.ended, np.where(step.game_over, 0.0, game_return),
+                                   np.where(step.game_over, 0, game_length))
+            if t < num_steps:
+                t0 = time.perf_counter()
+                actions, logits, key = act(params, state.obs, state.key)
+                actions = np.asarray(actions)
+                inference_s += time.perf_counter() - t0
+                env_send(envs, actions)
+                taken[g], state = (state.obs, actions, logits), state._replace(key=key)
+            states[g] = state
+    # What stayed on the actor device comes to the host in one go, then the groups go side by side: [T, E, ...]
+    rollout = jax.tree.map(lambda *x: np.concatenate(x, axis=1), *[
+        jax.tree.map(lambda *x: np.stack(jax.device_get(x)), *group_steps) for group_steps in steps])
+    rollout = rollout._replace(obs=np.concatenate([rollout.obs, np.concatenate([s.obs for s in states])[None]]),
                                **{f: getattr(rollout, f).astype(np.float32) for f in ("terminated", "valid")})
-    return rollout, state, ActorStats(returns, lengths, inference_s, env_s)
+    return rollout, states, ActorStats(returns, lengths, inference_s, env_s)
+
+
+def start_groups(args, index, device, first):
+    """Actor thread `index`'s groups of envs (one; two with --async-envs) and their first ActorStates."""
+    n = args.local_num_envs // env_groups(args)
+    groups, states = [], []
+    for i in range(index * env_groups(args), (index + 1) * env_groups(args)):  # envs seed + i * n ...
+        groups.append(make_envs(args, n, args.seed + i * n))
+        # Each group samples actions from its own stream, and a resumed run from new ones.
+        key = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(args.seed), first), 1 + i)
+        states.append(ActorState(env_reset(groups[-1]), jax.device_put(key, device), np.zeros(n, bool), np.zeros(n),
+                                 np.zeros(n, int)))
+    return groups, states
 
 
 class Stopped(Exception):
@@ -503,11 +559,7 @@ class ParamStore:
 
 def actor_loop(stop, args, index, device, learner_devices, store, out, first, num_updates):
     """One actor thread (paper section 4): act on `device`, ship each rollout to the learners."""
-    n = args.local_num_envs
-    envs = make_envs(args, n, args.seed + index * n)
-    # Each thread samples actions from its own stream, and a resumed run from new ones.
-    key = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(args.seed), first), 1 + index)
-    state = ActorState(env_reset(envs), jax.device_put(key, device), np.zeros(n, bool), np.zeros(n), np.zeros(n, int))
+    groups, states = start_groups(args, index, device, first)
     put_s = 0.0  # a rollout's queue wait is known only after it is sent: reported with the next
     for u in range(first, num_updates):  # rollout u feeds update u + 1
         start = time.perf_counter()
@@ -515,7 +567,7 @@ def actor_loop(stop, args, index, device, learner_devices, store, out, first, nu
         # parameters version u - 1 (lag 1), which V-trace's importance weights correct for.
         version, params = store.wait(u - 1, stop)
         waited = time.perf_counter() - start
-        rollout, state, stats = collect(envs, params[device], state, args.num_steps)
+        rollout, states, stats = collect(groups, params[device], states, args.num_steps)
         splits = [np.split(x, len(learner_devices), axis=1) for x in rollout]  # each learner's envs
         parts = [jax.device_put(Rollout(*(s[i] for s in splits)), d) for i, d in enumerate(learner_devices)]
         stats = stats._replace(rollout_time=time.perf_counter() - start - waited, lag=u - version,
@@ -775,6 +827,8 @@ def check_sizes(args, layout, env):
     n_learners = len(layout.learner_devices)
     if args.local_num_envs % n_learners:
         fail(f"--local-num-envs {args.local_num_envs} must divide evenly across {n_learners} learner devices")
+    if args.local_num_envs % env_groups(args):
+        fail(f"--local-num-envs {args.local_num_envs} must be even with --async-envs (two halves take turns)")
     check_seed(args.seed, 2**31 - layout.num_envs + 1)  # env i of the run is seeded with seed + i
     # Each actor thread holds a rollout it collects, one in its queue and one being learned from.
     threads = len(layout.actor_devices) * args.num_actor_threads

@@ -6,6 +6,8 @@ and reports ratios measured in the same run, so the figures hold on a noisy mach
 
 A case is a function `bench_NAME()` registered in CASES; it calls `worker(...)` to run a
 measurement function of this file in a child process and returns a list of table rows.
+`--baseline COMMIT` also trains that commit's Sebulba scripts, in turns with today's.
+`--gpu-check [--tiny]` runs the GPU check instead (tests/figures/README.md, "The GPU check").
 """
 
 import argparse
@@ -14,17 +16,20 @@ import os
 import platform
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from conftest import load  # noqa: E402
+from conftest import ROOT, load  # noqa: E402
 
 
-def worker(func, devices=1, timeout=1800, **kwargs):
-    """Run `func(**kwargs)` of this file in a child process with `devices` fake CPU devices."""
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
-               JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
+def worker(func, devices=1, timeout=1800, cpu=True, **kwargs):
+    """Run `func(**kwargs)` of this file in a child process with `devices` fake CPU devices (`cpu`: on the
+    CPU alone, unless JAX_PLATFORMS says otherwise; else on whatever JAX finds, a GPU first)."""
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    if cpu:
+        env["JAX_PLATFORMS"] = os.environ.get("JAX_PLATFORMS", "cpu")
     proc = subprocess.run(
         [sys.executable, __file__, "--worker", func, json.dumps(kwargs)],
         env=env, stdout=subprocess.PIPE, text=True, timeout=timeout, check=True)
@@ -98,16 +103,52 @@ def bench_catch():
 
 
 # ---------------------------------------------------------------------------------------
-# The Sebulba scripts: end-to-end training SPS against the random-action SPS of the same envs
-# and threads stepped by the script's env_step (the bound the actors cannot beat), measured in
-# the same process; seconds per learner update and per rollout from the run's last log window.
+# The Sebulba scripts: end-to-end training SPS against two bounds measured in the same process:
+# the same envs and threads stepped at random by the script's env_step (what this configuration
+# allows), and the best random-action throughput of the env on all the host's cores (what the
+# machine allows: envpool sync or async, the best batch); seconds per learner update and per
+# rollout from the run's last log window. --baseline COMMIT trains that commit's copy of the script
+# in turns with today's, each run --rounds times, and keeps each one's best.
 
 
-def sebulba_worker(script, flags, updates, log_every):
-    """Train `script` (sebulba_impala.py or sebulba_ppo_atari.py) with these Args, then step the same
-    envs at random with its env_step in as many threads."""
+def machine_bound(env_id, env_kwargs, num_actions, sizes, seconds):
+    """The best random-action steps/s of `env_id` in one envpool batch on all this host's cores: sync
+    batches of each size, and async ones (3x the batch in flight). Returns (name, steps/s, all)."""
+    import envpool
+    import numpy as np
+
+    cores, found = len(os.sched_getaffinity(0)), {}
+    for mode, size in [("sync", s) for s in sizes] + [("async", s) for s in sizes[:-1] or sizes]:
+        n = size if mode == "sync" else 3 * size
+        pool = envpool.make(env_id, env_type="gymnasium", num_envs=n, batch_size=size, num_threads=min(n, cores),
+                            seed=0, **env_kwargs)
+        pool.async_reset()
+        rng, steps, start = np.random.default_rng(0), 0, None
+        while start is None or time.perf_counter() - start < seconds:
+            ids = pool.recv()[-1]["env_id"]
+            pool.send(rng.integers(0, num_actions, len(ids)).astype(np.int32), ids)
+            steps += len(ids)
+            if start is None and steps >= 10 * size:  # warmed up
+                steps, start = 0, time.perf_counter()
+        pool.close()
+        found[f"{mode} {n} envs" + (f" in batches of {size}" if mode == "async" else "") + f", {min(n, cores)} "
+              "threads"] = steps / (time.perf_counter() - start)
+    best = max(found, key=found.get)
+    return best, found[best], found
+
+
+def bound_sizes(env, tiny=False):
+    cores = len(os.sched_getaffinity(0))
+    if tiny:
+        return (2, 4)
+    return (16, 64, 256, 1024) if len(env.obs_shape) == 1 else (8, 16, 32, 64) + ((128,) if cores >= 8 else ())
+
+
+def sebulba_worker(script, flags, updates=None, log_every=None, steps=None, bound=True, machine=True, tiny=False):
+    """Train `script` (sebulba_impala.py or sebulba_ppo_atari.py, or a copy of it) with these Args for
+    `updates` (or about `steps`); then with `bound` step the same envs at random with its env_step in as
+    many threads, and with `machine` find the machine's bound."""
     import dataclasses
-    import tempfile
     import threading
 
     import numpy as np
@@ -117,58 +158,92 @@ def sebulba_worker(script, flags, updates, log_every):
 
     n, threads = args.local_num_envs, args.num_actor_threads  # one actor device here
     batch = args.num_steps * n * threads
+    if steps:
+        updates = max(3, steps // batch)
+        log_every = max(1, updates // 3)
     with tempfile.TemporaryDirectory() as run_dir:
         args = dataclasses.replace(args, total_timesteps=updates * batch, log_every=log_every, run_dir=run_dir)
         row = sebulba.main(args)  # the last log window: compile time excluded
+    result = {"envs": f"{n} x {threads} threads", "batch": batch, "train_sps": row["charts/SPS"],
+              "update_s": row["stats/learner_time"], "rollout_s": row["stats/rollout_time"],
+              "env_s": row["stats/env_step_time"], "inference_s": row["stats/inference_time"]}
+    if not bound:
+        return result
 
     def random_steps(seed, steps, counts):
         envs, rng = sebulba.make_envs(args, n, seed), np.random.default_rng(seed)
         sebulba.env_reset(envs)
+        ready.wait()  # the clock starts once every thread's envs are made
         for _ in range(steps):
             sebulba.env_step(envs, rng.integers(0, env.num_actions, n).astype(np.int32))
         counts.append(steps * n)
 
-    counts, steps = [], max(200, 20 * args.num_steps)
-    start = time.perf_counter()
+    counts, steps, ready = [], 20 if tiny else max(200, 20 * args.num_steps), threading.Barrier(threads + 1)
     pool = [threading.Thread(target=random_steps, args=(i, steps, counts)) for i in range(threads)]
     for t in pool:
         t.start()
+    ready.wait()
+    start = time.perf_counter()
     for t in pool:
         t.join()
-    return {"envs": f"{n} x {threads} threads", "batch": batch, "train_sps": row["charts/SPS"],
-            "raw_sps": sum(counts) / (time.perf_counter() - start), "update_s": row["stats/learner_time"],
-            "rollout_s": row["stats/rollout_time"], "env_s": row["stats/env_step_time"],
-            "inference_s": row["stats/inference_time"]}
+    result["raw_sps"] = sum(counts) / (time.perf_counter() - start)
+    if machine:
+        kwargs = sebulba.atari_kwargs(args.machado) if env.atari else {}
+        result["bound"], result["bound_sps"], result["bounds"] = machine_bound(
+            args.env_id, kwargs, env.num_actions, bound_sizes(env, tiny), 0.3 if tiny else 2.0)
+    return result
 
 
-def sebulba_row(r, digits):
+def sebulba_runs(script, flags, updates, log_every, baseline=None, rounds=1):
+    """sebulba_worker's result for today's script, and with --baseline the best train SPS of its copy at
+    that commit, the two trained in turns."""
+    best = None
+    for i in range(rounds if baseline else 1):
+        r = worker("sebulba_worker", script=script, flags=flags, updates=updates, log_every=log_every,
+                   bound=i == 0, machine=i == 0)
+        best = r if best is None else {**best, "train_sps": max(best["train_sps"], r["train_sps"])}
+        if baseline:
+            old = worker("sebulba_worker", script=str(baseline / script), flags=flags, updates=updates,
+                         log_every=log_every, bound=False, machine=False)
+            best["baseline_sps"] = max(best.get("baseline_sps", 0.0), old["train_sps"])
+    return best
+
+
+def sebulba_row(r, digits, baseline=None):
+    # "raw env SPS" is the first bound column: the one tests/plot.py --speed draws.
     return {"envs": r["envs"], "batch": r["batch"], "train SPS": f"{r['train_sps']:,.0f}",
             "raw env SPS": f"{r['raw_sps']:,.0f}", "ratio": f"{r['train_sps'] / r['raw_sps']:.1%}",
+            "machine SPS": f"{r['bound_sps']:,.0f} ({r['bound']})",
+            "machine ratio": f"{r['train_sps'] / r['bound_sps']:.1%}",
+            **({f"train SPS at {baseline}": f"{r['baseline_sps']:,.0f}" if "baseline_sps" in r else "-"}
+               if baseline else {}),
             **{name: f"{r[key]:.{digits}f}" for name, key in [("s/update", "update_s"), ("s/rollout", "rollout_s"),
                                                               ("env s/rollout", "env_s"),
                                                               ("inference s/rollout", "inference_s")]}}
 
 
-def bench_impala():
-    cases = [("Breakout-v5", "deep", 9, 3), ("Breakout-v5", "shallow", 30, 10), ("CartPole-v1", "mlp", 200, 50)]
+def bench_impala(baseline=None, rounds=1):
+    cases = [("Breakout-v5", "deep", 9, 3, {}), ("Breakout-v5", "shallow", 30, 10, {}),
+             ("Breakout-v5", "shallow", 30, 10, {"async_envs": True}), ("CartPole-v1", "mlp", 200, 50, {})]
     rows = []
-    for env_id, network, updates, log_every in cases:
+    for env_id, network, updates, log_every, extra in cases:
         images = {"local_num_envs": 8, "num_steps": 20} if network != "mlp" else {}
-        flags = {"env_id": env_id, "network": network, **images}
-        r = worker("sebulba_worker", script="sebulba_impala.py", flags=flags, updates=updates, log_every=log_every)
-        rows.append({"env": env_id, "network": network, **sebulba_row(r, digits=3)})
+        flags = {"env_id": env_id, "network": network, **images, **extra}
+        old = baseline if not extra else None  # the landed copy has no --async-envs
+        r = sebulba_runs("sebulba_impala.py", flags, updates, log_every, old and baseline[1], rounds)
+        rows.append({"env": env_id, "network": network + (" --async-envs" if extra else ""),
+                     **sebulba_row(r, 3, baseline and baseline[0])})
     return rows
 
 
-def bench_ppo_atari():
+def bench_ppo_atari(baseline=None, rounds=1):
     # batch 512, minibatches 128
     base = {"env_id": "Breakout-v5", "local_num_envs": 8, "num_actor_threads": 2, "num_steps": 32}
     rows = []
     for epochs in (4, 1):
-        r = worker("sebulba_worker", script="sebulba_ppo_atari.py", flags={**base, "update_epochs": epochs}, updates=6,
-                   log_every=3)
-        rows.append({"env": "Breakout-v5", "envs": r["envs"], "batch": r["batch"], "epochs": epochs,
-                     **sebulba_row(r, digits=2)})
+        r = sebulba_runs("sebulba_ppo_atari.py", {**base, "update_epochs": epochs}, 6, 3, baseline and baseline[1],
+                         rounds)
+        rows.append({"env": "Breakout-v5", "epochs": epochs, **sebulba_row(r, 2, baseline and baseline[0])})
     return rows
 
 
@@ -224,6 +299,66 @@ def bench_ppo():
     return rows
 
 
+# ---------------------------------------------------------------------------------------
+# The GPU check (tests/figures/README.md, "The GPU check"): on a GPU machine, within about 8 minutes,
+# the machine's bound for Breakout, then a small grid of actor configurations of both Sebulba scripts
+# (today's defaults first), each against the same envs stepped at random and against that bound;
+# one JSON, rewritten after each configuration. --tiny: the same at a tiny size, to test it on a CPU.
+
+GPU_GRID = [  # (script, flags beyond Breakout-v5 and the script's defaults, agent steps to train)
+    ("sebulba_impala.py", {}, 120_000),  # deep ResNet, 2 threads x 16 envs
+    ("sebulba_ppo_atari.py", {}, 100_000),  # Nature CNN, 2 threads x 16 envs x 128 steps
+    ("sebulba_impala.py", {"local_num_envs": 32, "async_envs": True}, 150_000),
+    ("sebulba_impala.py", {"num_actor_threads": 4, "local_num_envs": 32}, 200_000),
+    ("sebulba_impala.py", {"num_actor_threads": 4, "local_num_envs": 64, "async_envs": True}, 250_000),
+    ("sebulba_ppo_atari.py", {"local_num_envs": 32, "async_envs": True}, 120_000),
+    ("sebulba_impala.py", {"num_actor_threads": 8, "local_num_envs": 32, "async_envs": True}, 250_000),
+    ("sebulba_ppo_atari.py", {"num_actor_threads": 4, "local_num_envs": 32, "async_envs": True}, 150_000),
+]
+TINY = {"local_num_envs": 2, "num_steps": 4}  # --tiny: these flags, two updates, one config a script
+START_S, STOP_S = 400, 480  # no configuration starts after START_S, and none runs past STOP_S (killed)
+
+
+def bound_worker(env_id, tiny):
+    import jax
+
+    impala = load("sebulba_impala.py")
+    env = impala.describe_env(env_id, False)
+    name, best, found = machine_bound(env_id, impala.atari_kwargs(False), env.num_actions, bound_sizes(env, tiny),
+                                      0.3 if tiny else 2.0)
+    return {"best": name, "sps": best, "all": found, "jax": jax.__version__, "devices": str(jax.devices())}
+
+
+def gpu_check(out, tiny):
+    start, grid = time.monotonic(), [c for c in GPU_GRID if not c[1]] if tiny else GPU_GRID
+    result = {"machine": f"{platform.processor() or platform.machine()}, {len(os.sched_getaffinity(0))} CPU cores",
+              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "load": os.getloadavg(), "tiny": tiny,
+              "bound": worker("bound_worker", cpu=False, timeout=120, env_id="Breakout-v5", tiny=tiny), "runs": []}
+    print(f"Breakout-v5 on all cores: {result['bound']['sps']:,.0f} steps/s ({result['bound']['best']})", flush=True)
+    for script, flags, steps in grid:
+        flags = {"env_id": "Breakout-v5", **flags, **(TINY if tiny else {})}
+        elapsed = time.monotonic() - start
+        run = {"script": script, "flags": flags}
+        if elapsed > START_S:
+            result["runs"].append({**run, "skipped": "out of time"})
+            continue
+        size = {"updates": 2, "log_every": 1} if tiny else {"steps": steps}
+        try:
+            r = worker("sebulba_worker", cpu=False, timeout=max(30, STOP_S - elapsed), script=script, flags=flags,
+                       **size, machine=False, tiny=tiny)
+            run.update(r, ratio=r["train_sps"] / r["raw_sps"], machine_ratio=r["train_sps"] / result["bound"]["sps"])
+            print(f"{script} {flags}: {r['train_sps']:,.0f} steps/s, {run['ratio']:.0%} of the same envs at random, "
+                  f"{run['machine_ratio']:.0%} of the machine's bound", flush=True)
+        except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as e:
+            run["error"] = f"{type(e).__name__}: {e}"
+            print(f"{script} {flags}: {run['error']}", flush=True)
+        result["runs"].append(run)
+        out.write_text(json.dumps(result, indent=2))
+    result["seconds"] = time.monotonic() - start
+    out.write_text(json.dumps(result, indent=2))
+    print(f"wrote {out} after {result['seconds']:.0f} s", flush=True)
+
+
 CASES = {"catch": bench_catch, "impala": bench_impala, "ppo_atari": bench_ppo_atari, "ppo": bench_ppo}
 
 
@@ -237,20 +372,37 @@ def table(rows):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="*", choices=sorted(CASES), help="cases to run (default: all)")
-    parser.add_argument("--out", default="benchmark.json")
+    parser.add_argument("--out", help="the JSON written (default: benchmark.json; gpu_check.json)")
+    parser.add_argument("--baseline", metavar="COMMIT", help="Sebulba cases: also train that commit's scripts")
+    parser.add_argument("--rounds", type=int, default=2, help="with --baseline: runs of each script, in turns")
+    parser.add_argument("--gpu-check", action="store_true", help="the GPU check instead (tests/figures/README.md)")
+    parser.add_argument("--tiny", action="store_true", help="--gpu-check at a tiny size, to test it on a CPU")
     parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         func, kwargs = args.worker
         print(json.dumps(globals()[func](**json.loads(kwargs))))
         return
-    machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores"
+    if args.gpu_check:
+        return gpu_check(Path(args.out or "gpu_check.json"), args.tiny)
+    machine = f"{platform.processor() or platform.machine()}, {len(os.sched_getaffinity(0))} CPU cores"
     results = {"machine": machine}
-    for name in args.only or CASES:
-        rows = CASES[name]()
-        results[name] = rows
-        print(f"\n### {name} ({machine})\n\n{table(rows)}\n", flush=True)
-    Path(args.out).write_text(json.dumps(results, indent=2))
+    with tempfile.TemporaryDirectory() as folder:
+        baseline = args.baseline and (args.baseline, checkout(args.baseline, Path(folder)))
+        for name in args.only or CASES:
+            rows = CASES[name](baseline, args.rounds) if name in ("impala", "ppo_atari") else CASES[name]()
+            results[name] = rows
+            print(f"\n### {name} ({machine})\n\n{table(rows)}\n", flush=True)
+    Path(args.out or "benchmark.json").write_text(json.dumps(results, indent=2))
+
+
+def checkout(commit, folder):
+    """`commit`'s Sebulba scripts, copied into `folder` under their own names."""
+    for script in ("sebulba_impala.py", "sebulba_ppo_atari.py"):
+        text = subprocess.run(["git", "show", f"{commit}:{script}"], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout
+        (folder / script).write_text(text)
+    return folder
 
 
 if __name__ == "__main__":

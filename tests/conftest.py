@@ -169,6 +169,7 @@ def interrupt_a_hung_run(proc, folder):
         deadline = time.monotonic() + 300
         while not (folder / "fault_time").exists() and time.monotonic() < deadline:
             time.sleep(0.1)
+        assert (folder / "fault_time").exists(), "the env never hung"
         time.sleep(2)
         sent = time.monotonic()
         proc.send_signal(signal.SIGINT)

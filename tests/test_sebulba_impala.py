@@ -284,19 +284,20 @@ def test_rmsprop_adds_epsilon_outside_the_root_as_torchbeast_and_cleanba_do(impa
 # --- Episodes: the true game score, against envpool's own counters ------------------------
 
 
-def test_episode_scores_are_unclipped_and_span_the_whole_game(impala):
+@pytest.mark.parametrize("async_envs", [False, True], ids=["one-batch", "two-halves-taking-turns"])
+def test_episode_scores_are_unclipped_and_span_the_whole_game(impala, async_envs):
     """Collects with the policy, then replays its actions in a fresh envpool batch and scores the games there."""
     import envpool
     import jax
 
     # Space Invaders pays 5-30 points per alien and has 3 lives: clipping and life loss show.
-    args, n, steps = impala.Args(env_id="SpaceInvaders-v5"), 2, 1500
+    n, steps = 2, 1500
+    args = impala.Args(env_id="SpaceInvaders-v5", seed=3, local_num_envs=n, async_envs=async_envs)
     env = impala.describe_env(args.env_id, False)
     params = impala.init_params(jax.random.PRNGKey(0), env.obs_shape, env.num_actions, "shallow")
-    envs = impala.make_envs(args, n, 3)
-    state = impala.ActorState(impala.env_reset(envs), jax.random.PRNGKey(1), np.zeros(n, bool), np.zeros(n),
-                              np.zeros(n, int))
-    rollout, _, stats = impala.collect(envs, params, state, steps)
+    groups, states = impala.start_groups(args, 0, jax.devices()[0], 0)
+    assert len(groups) == (2 if async_envs else 1)
+    rollout, _, stats = impala.collect(groups, params, states, steps)
     replay = envpool.make(args.env_id, env_type="gymnasium", num_envs=n, seed=3, **impala.atari_kwargs(False))
     replay.reset()
     score, clipped, life_losses, games = np.zeros(n), np.zeros(n), np.zeros(n, int), []
@@ -379,9 +380,10 @@ ATARI = ["--env-id", "Breakout-v5", "--local-num-envs", 2, "--num-steps", 8, "--
 
 @pytest.mark.parametrize("devices,layout,threads", [
     (1, [], 2),
+    (1, ["--async-envs"], 2),
     (2, ["--actor-device-ids", 0, "--learner-device-ids", 1], 1),
     (4, ["--actor-device-ids", 0, 1, "--learner-device-ids", 2, 3], 2),
-], ids=["1-device", "actor0-learner1", "actors01x2-learners23"])
+], ids=["1-device", "1-device-async-envs", "actor0-learner1", "actors01x2-learners23"])
 def test_atari_runs_a_few_updates_on_each_device_layout(tmp_path, devices, layout, threads):
     actor_threads = threads * (2 if devices == 4 else 1)
     batch = 2 * 8 * actor_threads
@@ -489,13 +491,14 @@ def mismatched_checkpoint(tmp_path):
     (2, ["--env-id", "CartPole-v1", "--actor-device-ids", 2], "--actor-device-ids"),
     (2, ["--env-id", "CartPole-v1", "--actor-device-ids", 0, "--learner-device-ids", 0, 1], "--learner-device-ids"),
     (3, ["--env-id", "CartPole-v1", "--learner-device-ids", 1, 2, "--local-num-envs", 3], "--local-num-envs"),
+    (1, ["--env-id", "CartPole-v1", "--async-envs", "--local-num-envs", 3], "--local-num-envs"),
     (1, ["--env-id", "CartPole-v1", "--total-timesteps", 100], "--total-timesteps"),
     (1, ["--env-id", "CartPole-v1", "--resume", "missing.npz"], "--resume"),
     (1, ["--env-id", "CartPole-v1", "--resume", mismatched_checkpoint], "--resume"),
 ], ids=["unknown-env", "continuous-actions", "relative-module", "actions-from-1", "module-syntax-error",
         "module-raises", "machado-not-atari", "shallow-vectors", "shallow-10x10",
         "device-out-of-range", "device-reused",
-        "envs-not-divisible", "budget-below-one-update", "missing-checkpoint", "mismatched-checkpoint"])
+        "envs-not-divisible", "async-envs-odd", "budget-below-one-update", "missing-checkpoint", "mismatched-checkpoint"])
 def test_bad_input_is_one_error_line_naming_the_flag(tmp_path, envs_path, devices, flags, flag):
     flags = [f(tmp_path) if callable(f) else f for f in flags]
     line = error_line(run(SCRIPT, flags, tmp_path, devices=devices, timeout=120, env=envs_path))

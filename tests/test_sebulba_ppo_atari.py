@@ -201,15 +201,17 @@ def test_repeated_updates_on_one_batch_favour_positive_advantage_actions_and_fit
     assert float(losses.clipfrac_first) > 0  # samples whose pi / mu left the window
 
 
-def test_collect_returns_unclipped_whole_game_scores_and_marks_autoreset_steps(ppo):
+@pytest.mark.parametrize("async_envs", [False, True], ids=["one-batch", "two-halves-taking-turns"])
+def test_collect_returns_unclipped_whole_game_scores_and_marks_autoreset_steps(ppo, async_envs):
     """Replays the rollout's actions in a fresh env and scores the games independently."""
     import jax
 
-    args = ppo.Args()
+    args = ppo.Args(seed=7, local_num_envs=2, async_envs=async_envs)
     params = ppo.init_params(jax.random.PRNGKey(0), (4, 84, 84), 4)
-    envs = ppo.make_envs(args, 2, seed=7)
-    state = ppo.ActorState(ppo.env_reset(envs), jax.random.PRNGKey(1), np.zeros(2, bool), np.zeros(2), np.zeros(2, int))
-    rollout, _, stats = ppo.collect(envs, params, state, 600)
+    groups, states = ppo.start_groups(args, 0, jax.devices()[0], 0)
+    assert len(groups) == (2 if async_envs else 1)
+    rollout, _, stats = ppo.collect(groups, params, states, 600)
+    assert rollout.values.shape == (601, 2) and rollout.obs.shape == (600, 2, 4, 84, 84)
 
     replay = ppo.make_envs(args, 2, seed=7).pool
     replay.reset()
@@ -259,8 +261,9 @@ def check_run(result, updates, envs):
     return [m["stats/param_lag"] for m in result.metrics]
 
 
-def test_one_device_runs_with_at_most_one_update_of_lag(tmp_path):
-    result = run(SCRIPT, [*TINY, "--total-timesteps", 96], tmp_path)
+@pytest.mark.parametrize("flags", [[], ["--async-envs"]], ids=["one-batch", "async-envs"])
+def test_one_device_runs_with_at_most_one_update_of_lag(tmp_path, flags):
+    result = run(SCRIPT, [*TINY, *flags, "--total-timesteps", 96], tmp_path)
     lags = check_run(result, updates=3, envs=4)
     assert max(lags) <= 1
     assert result.last("charts/learning_rate") < 2.5e-4  # annealed
@@ -323,14 +326,15 @@ ENV_FAULT = """
 make = envpool.make
 def faulty_make(*args, **kwargs):
     envs, calls = make(*args, **kwargs), [0]
-    step = envs.step
-    def faulty_step(actions):
-        calls[0] += 1
-        if calls[0] > 12:
-            Path("fault_time").write_text(str(time.time()))
-            raise RuntimeError("injected env fault")
-        return step(actions)
-    envs.step = faulty_step
+    def faulty(method):  # envpool's step, and its recv (the actors send, then recv)
+        def call(*a, **k):
+            calls[0] += 1
+            if calls[0] > 12:
+                Path("fault_time").write_text(str(time.time()))
+                raise RuntimeError("injected env fault")
+            return method(*a, **k)
+        return call
+    envs.step, envs.recv = faulty(envs.step), faulty(envs.recv)
     return envs
 envpool.make = faulty_make
 """
@@ -403,6 +407,7 @@ def write_bad_checkpoint(path):
     (["--actor-device-ids", "0", "--learner-device-ids", "0", "1"], 2, "share a device"),
     (["--total-timesteps", "10"], 1, "--total-timesteps"),
     (["--num-steps", "0"], 1, "--num-steps"),
+    (["--async-envs", "--local-num-envs", "3"], 1, "--local-num-envs"),
     (["--resume", "missing.npz"], 1, "--resume"),
     (["--resume", "bad.npz"], 1, "does not match"),
 ])
