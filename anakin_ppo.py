@@ -37,6 +37,7 @@ import itertools
 import json
 import math
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -615,7 +616,7 @@ def initial_state(args, env, mesh, batch):
     return partial(place, ckpt["state"], mesh), shapes, int(ckpt["update"])
 
 
-def compile_train(args, env, mesh, shapes, first, num_updates):
+def compile_train(args, env, mesh, shapes, first, num_updates, run):
     """make_train compiled ahead of time, so that SPS never includes compilation; refused if it cannot fit."""
     tic = time.time()
     train = make_train(args, env, mesh, num_updates)
@@ -623,7 +624,8 @@ def compile_train(args, env, mesh, shapes, first, num_updates):
     say(f"compiled in {time.time() - tic:.1f}s")
     used = train.memory_analysis()
     check_fits(used.temp_size_in_bytes + used.argument_size_in_bytes + used.output_size_in_bytes,
-               f"--num-seeds {args.num_seeds} x --num-envs-per-device {args.num_envs_per_device}", mesh.local_devices)
+               f"--num-seeds {args.num_seeds} x --num-envs-per-device {args.num_envs_per_device}", mesh.local_devices,
+               run)
     return train
 
 
@@ -665,8 +667,9 @@ def main(args: Args) -> dict:
     batch = args.num_steps * args.num_envs_per_device * mesh.size
     num_updates = args.total_timesteps // batch
     make_state, shapes, first = initial_state(args, env, mesh, batch)
-    train = compile_train(args, env, mesh, shapes, first, num_updates)
-    state, run = make_state(), open_run(args)
+    run = open_run(args)
+    train = compile_train(args, env, mesh, shapes, first, num_updates, run)
+    state = make_state()
     update, n, start, row = first, 0, time.time(), {}
     while update < num_updates:
         safe_point(caught, update, run, partial(checkpoint, args, run, state, update, batch),
@@ -714,11 +717,15 @@ def check_flags(args, unit=(), positive=()):
         fail(f"--resume {args.resume!r}: {what}; it takes a run's checkpoint.npz")
 
 
-def check_fits(num_bytes, what, devices=()):
-    """Refuse, up front, what cannot fit: `num_bytes` on each of `devices` (CPU devices share the host's memory)."""
+def check_fits(num_bytes, what, devices=(), run=None):
+    """Refuse, up front, what cannot fit: `num_bytes` on each of `devices` (CPU devices share the host's memory).
+    A run folder made just before (`run`) is removed."""
     memory = (devices[0].memory_stats() or {}).get("bytes_limit") if devices else None
     if memory is None:
         memory, num_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), num_bytes * max(1, len(devices))
+    if num_bytes > memory and run is not None and run.folder is not None:
+        run.events.close()
+        shutil.rmtree(run.folder, ignore_errors=True)
     if num_bytes > memory:
         fail(f"{what} would need {num_bytes / 2**30:,.1f} GiB, more than the {memory / 2**30:,.1f} GiB here")
 
@@ -782,7 +789,7 @@ def lost_peer(kind, error, trace):
     """A collective with a dead peer may raise: exit before JAX's heartbeat aborts the process from C++."""
     if not issubclass(kind, jax.errors.JaxRuntimeError):
         return sys.__excepthook__(kind, error, trace)
-    exit_now(1, RUN[0] if RUN else None, f"error: a collective with the other processes failed (one died?): "
+    exit_now(1, RUN[-1] if RUN else None, f"error: a collective with the other processes failed (one died?): "
                                          f"{str(error).splitlines()[0]}")
 
 
@@ -813,7 +820,7 @@ def open_run(args):
     """A new folder {run-dir}/{env}__{exp-name}__{seed}__{unix time}[_1, _2, ...], its name made flat."""
     if jax.process_index() != 0:
         RUN.append(Run(None, None, None))
-        return RUN[0]
+        return RUN[-1]
     name = "__".join("".join(c if c.isalnum() or c in "-_.+" else "_" for c in str(s))
                      for s in (args.env_id, args.exp_name, args.seed))
     base = Path(args.run_dir) / f"{name}__{int(time.time())}"
@@ -822,7 +829,7 @@ def open_run(args):
             folder.mkdir(parents=True)
             (folder / "args.json").write_text(json.dumps(dataclasses.asdict(args), indent=2))
             RUN.append(Run(folder, EventsWriter(str(folder / "events")), folder / "checkpoint.npz"))
-            return RUN[0]
+            return RUN[-1]
         except FileExistsError:
             pass
         except OSError as e:

@@ -35,6 +35,7 @@ import json
 import math
 import os
 import queue
+import shutil
 import signal
 import socket
 import sys
@@ -902,11 +903,15 @@ def check_flags(args, unit=(), positive=()):
         fail(f"--resume {args.resume!r}: {what}; it takes a run's checkpoint.npz")
 
 
-def check_fits(num_bytes, what, devices=()):
-    """Refuse, up front, what cannot fit: `num_bytes` on each of `devices` (CPU devices share the host's memory)."""
+def check_fits(num_bytes, what, devices=(), run=None):
+    """Refuse, up front, what cannot fit: `num_bytes` on each of `devices` (CPU devices share the host's memory).
+    A run folder made just before (`run`) is removed."""
     memory = (devices[0].memory_stats() or {}).get("bytes_limit") if devices else None
     if memory is None:
         memory, num_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), num_bytes * max(1, len(devices))
+    if num_bytes > memory and run is not None and run.folder is not None:
+        run.events.close()
+        shutil.rmtree(run.folder, ignore_errors=True)
     if num_bytes > memory:
         fail(f"{what} would need {num_bytes / 2**30:,.1f} GiB, more than the {memory / 2**30:,.1f} GiB here")
 
@@ -970,7 +975,7 @@ def lost_peer(kind, error, trace):
     """A collective with a dead peer may raise: exit before JAX's heartbeat aborts the process from C++."""
     if not issubclass(kind, jax.errors.JaxRuntimeError):
         return sys.__excepthook__(kind, error, trace)
-    exit_now(1, RUN[0] if RUN else None, f"error: a collective with the other processes failed (one died?): "
+    exit_now(1, RUN[-1] if RUN else None, f"error: a collective with the other processes failed (one died?): "
                                          f"{str(error).splitlines()[0]}")
 
 
@@ -1001,7 +1006,7 @@ def open_run(args):
     """A new folder {run-dir}/{env}__{exp-name}__{seed}__{unix time}[_1, _2, ...], its name made flat."""
     if jax.process_index() != 0:
         RUN.append(Run(None, None, None))
-        return RUN[0]
+        return RUN[-1]
     name = "__".join("".join(c if c.isalnum() or c in "-_.+" else "_" for c in str(s))
                      for s in (args.env_id, args.exp_name, args.seed))
     base = Path(args.run_dir) / f"{name}__{int(time.time())}"
@@ -1010,7 +1015,7 @@ def open_run(args):
             folder.mkdir(parents=True)
             (folder / "args.json").write_text(json.dumps(dataclasses.asdict(args), indent=2))
             RUN.append(Run(folder, EventsWriter(str(folder / "events")), folder / "checkpoint.npz"))
-            return RUN[0]
+            return RUN[-1]
         except FileExistsError:
             pass
         except OSError as e:
