@@ -1,8 +1,7 @@
 """PPO in the Anakin architecture (Hessel et al. 2021, section 3) on environments written in JAX.
 
-The envs live in this file, so rollouts, GAE and PPO's epochs (Schulman et al. 2017) are one XLA
-program. Its minimal unit, `update`, is one agent on one device: one call loops it `--log-every`
-times, `vmap`s it over `--num-seeds` agents and replicates it over devices and hosts (`shard_map`).
+The envs live in this file, so rollouts and PPO's epochs (Schulman et al. 2017) are one XLA program.
+Its minimal unit, `update`, is one agent on one device, looped, `vmap`ped over seeds and `shard_map`ped:
 
     host (Python)      one call = `--log-every` updates of every seed, no return to Python between
     -------------      -----------------------------------------------------------------------------
@@ -20,7 +19,7 @@ times, `vmap`s it over `--num-seeds` agents and replicates it over devices and h
     log, checkpoint <- episode returns (psum), losses (pmean), per seed
 
 Examples:
-    python anakin_ppo.py                                  # CartPole-v1
+    python anakin_ppo.py
     python anakin_ppo.py --env-id Pendulum-v1 --num-seeds 8
     python anakin_ppo.py --num-envs-per-device 2048 --total-timesteps 50_000_000
 """
@@ -75,31 +74,31 @@ class Args:
     """independent agents trained side by side in one program (vmap)"""
     # None: the env's value in DEFAULTS
     total_timesteps: int | None = None
-    """env steps of one agent over its devices and hosts (CartPole-v1 500_000, Pendulum-v1 1_000_000)"""
+    """env steps of one agent, all devices and hosts (None: CartPole-v1 500_000, Pendulum-v1 1_000_000)"""
     learning_rate: float | None = None
-    """Adam step size (CartPole-v1 2.5e-4, Pendulum-v1 1e-3)"""
+    """Adam step size (None: CartPole-v1 2.5e-4, Pendulum-v1 1e-3)"""
     anneal_lr: bool = True
     """decay the step size linearly to zero"""
     num_envs_per_device: int | None = None
-    """envs of each agent on each device (CartPole-v1 4, Pendulum-v1 32)"""
+    """envs of each agent on each device (None: CartPole-v1 4, Pendulum-v1 32)"""
     num_devices: int | None = None
     """devices used on each host (None: all)"""
     num_steps: int | None = None
-    """rollout length per env (CartPole-v1 128, Pendulum-v1 128)"""
+    """rollout length per env (None: CartPole-v1 128, Pendulum-v1 128)"""
     update_epochs: int | None = None
-    """passes over each rollout (CartPole-v1 4, Pendulum-v1 10)"""
+    """passes over each rollout (None: CartPole-v1 4, Pendulum-v1 10)"""
     num_minibatches: int | None = None
-    """minibatches per epoch, on each device (CartPole-v1 4, Pendulum-v1 32)"""
+    """minibatches per epoch, on each device (None: CartPole-v1 4, Pendulum-v1 32)"""
     gamma: float | None = None
-    """discount factor (CartPole-v1 0.99, Pendulum-v1 0.95)"""
+    """discount factor (None: CartPole-v1 0.99, Pendulum-v1 0.95)"""
     gae_lambda: float = 0.95
     """GAE's lambda"""
     clip_coef: float = 0.2
     """PPO's ratio (and value) clip range"""
     clip_vloss: bool | None = None
-    """clip the value loss around the old values (CartPole-v1 True, Pendulum-v1 False)"""
+    """clip the value loss around the old values (None: CartPole-v1 True, Pendulum-v1 False)"""
     ent_coef: float | None = None
-    """entropy bonus coefficient (CartPole-v1 0.01, Pendulum-v1 0.0)"""
+    """entropy bonus coefficient (None: CartPole-v1 0.01, Pendulum-v1 0.0)"""
     vf_coef: float = 0.5
     """value loss coefficient"""
     max_grad_norm: float = 0.5
@@ -127,8 +126,7 @@ class Args:
     """seconds to wait for all processes to join"""
 
 
-# CartPole: CleanRL's. Pendulum: rl-zoo's rollouts and epochs, gamma 0.95 (a swing-up takes ~100 steps),
-# no value clip (returns reach -300).
+# CartPole: CleanRL's. Pendulum: rl-zoo's, gamma 0.95 (a swing-up takes ~100 steps), no value clip.
 DEFAULTS = {
     "CartPole-v1": dict(total_timesteps=500_000, learning_rate=2.5e-4, num_envs_per_device=4, num_steps=128,
                         update_epochs=4, num_minibatches=4, gamma=0.99, clip_vloss=True, ent_coef=0.01),
@@ -138,11 +136,11 @@ DEFAULTS = {
 
 
 # ---- The environments: JAX copies of gymnasium 1.4's CartPole and Pendulum
-# Bring your own: three functions in an `Env`; time limit and auto-reset are generic.
+# Bring your own: an `Env`; time limit and auto-reset are generic.
 
 class Env(NamedTuple):
     reset: Callable  # key -> state, any pytree of arrays
-    step: Callable  # (state, action) -> (state, reward, terminated), without time limit or reset
+    step: Callable  # (state, action) -> (state, reward, terminated), no time limit or reset
     observe: Callable  # state -> observation [obs_size] float32
     obs_size: int
     action_size: int  # actions, or the action's dimension if continuous
@@ -150,7 +148,7 @@ class Env(NamedTuple):
     max_steps: int  # then the episode is truncated, not terminated
 
 
-# CartPole (Barto, Sutton & Anderson 1983), with gymnasium's constants and Euler steps.
+# CartPole (Barto et al. 1983), gymnasium's constants and Euler steps.
 GRAVITY, MASS_CART, MASS_POLE, HALF_LENGTH, FORCE, TAU = 9.8, 1.0, 0.1, 0.5, 10.0, 0.02
 TOTAL_MASS, POLE_MOMENT = MASS_CART + MASS_POLE, MASS_POLE * HALF_LENGTH
 THETA_LIMIT, X_LIMIT = 12 * 2 * math.pi / 360, 2.4
@@ -268,7 +266,7 @@ def init_params(rng, env, hidden=64):
 
 
 def apply(params, obs):
-    """Logits (or the Gaussian's mean) [..., A] and value [...] of obs [..., O]."""
+    """Logits or Gaussian mean [..., A], and value [...], of obs [..., O]."""
     return mlp(params["actor"], obs), mlp(params["critic"], obs)[..., 0]
 
 
@@ -400,7 +398,7 @@ class Stats(NamedTuple):
 
 
 def make_optimizer(args):
-    # `gradient_steps` applies the step size; flat: a few kernels a step, not a few per array.
+    # `gradient_steps` applies the step size. Flat: a few kernels a step, not a few per array.
     return optax.flatten(optax.chain(optax.clip_by_global_norm(args.max_grad_norm), optax.scale_by_adam(eps=1e-5)))
 
 
@@ -437,13 +435,13 @@ def rollout(params, env_state, obs, k_act, k_reset, args, env):
 
 
 def critic_values(params, traj):
-    """V of the obs seen and of the obs the actions led to, [T, E] each, in one batched pass."""
+    """V of the obs seen and of the obs the actions led to, [T, E] each, in one pass."""
     return mlp(params["critic"], jnp.stack([traj.obs, traj.step.final_obs]))[..., 0]
 
 
 def permutations(key, num, n):
-    """`num` random permutations of range(n), [num, n]: sorts by random keys of `words` uint32s, the row index
-    in the last one's low bits. 2 log2(n) + 32 random bits make a tie (rows kept in time order) rarer than 2^-33."""
+    """`num` random permutations of range(n), [num, n]: sorts by keys of `words` uint32s, the row index in the
+    last one's low bits. Ties would keep time order: 2 log2(n) + 32 random bits make them rarer than 2^-33."""
     bits = max(1, (n - 1).bit_length())
     words = 1 + -(-3 * bits // 32)  # ceil: 32 * words - bits >= 2 * bits + 32
     keys = list(jax.random.bits(key, (words, num, n)))
@@ -527,7 +525,7 @@ def shardings(mesh):
 
 
 def init_on_mesh(args, env, mesh, num_envs):
-    """Every seed's compiled init on the mesh, and its shapes (a checkpoint's template)."""
+    """Every seed's compiled init on the mesh, and its shapes."""
     keys = jax.random.split(jax.random.PRNGKey(args.seed), args.num_seeds)
     params = [init_params(np.random.default_rng([args.seed, i]), env) for i in range(args.num_seeds)]
     params = jax.tree.map(lambda *p: np.stack(p), *params)
@@ -574,7 +572,7 @@ def check_args(args):
 
 
 def initial_state(args, env, mesh, steps_per_update):
-    """What makes the state, fresh or --resume's; its shapes; the updates done."""
+    """What makes the state (fresh or --resume's), its shapes, the updates done."""
     if args.total_timesteps < steps_per_update:
         fail(f"--total-timesteps {args.total_timesteps:,} is less than one update: {steps_per_update:,} steps "
              f"(--num-steps {args.num_steps} x {args.num_envs_per_device} envs x {mesh.size} devices)")
@@ -582,15 +580,15 @@ def initial_state(args, env, mesh, steps_per_update):
     if not args.resume:
         return init, shapes, 0
     template = {"state": shapes, "update": np.int64(0), "global_step": np.int64(0)}
-    ckpt = load(args, template, steps_per_update, f"here {args.num_envs_per_device} envs on each of {mesh.size} devices")
+    hint = f"here {args.num_envs_per_device} envs on each of {mesh.size} devices"
+    ckpt = load(args, template, steps_per_update, hint)
     return partial(place, ckpt["state"], mesh), shapes, int(ckpt["update"])
 
 
 def compile_train(args, env, mesh, shapes, first, num_updates):
     """make_train compiled ahead, out of SPS; refused if it cannot fit."""
     tic = time.time()
-    train = make_train(args, env, mesh, num_updates)
-    train = train.lower(shapes, np.int32(first), np.int32(args.log_every)).compile()
+    train = make_train(args, env, mesh, num_updates).lower(shapes, np.int32(first), np.int32(args.log_every)).compile()
     say(f"compiled in {time.time() - tic:.1f}s")
     used = train.memory_analysis()
     check_fits(used.temp_size_in_bytes + used.argument_size_in_bytes + used.output_size_in_bytes,
@@ -605,12 +603,10 @@ def checkpoint(args, run, state, updates_done, steps_per_update):
                "global_step": np.int64(updates_done * steps_per_update)}, args)
 
 
-def metrics_row(args, stats, updates_done, n, steps_per_update, num_updates, seconds):
-    """One call's row (CleanRL's names), from Stats summed over `n` updates, leaves [seeds]."""
+def metrics_row(stats, n, lr, sps):
+    """One call's metrics (CleanRL's names), from Stats summed over its `n` updates, leaves [seeds]."""
     stats = jax.tree.map(np.asarray, stats)
-    row = {"global_step": updates_done * steps_per_update, "update": updates_done,
-           "charts/SPS": n * steps_per_update * args.num_seeds / seconds,
-           "charts/learning_rate": learning_rate(args, num_updates, updates_done - 1),  # of the call's last update
+    row = {"charts/SPS": sps, "charts/learning_rate": lr,
            **{f"losses/{name}": float(np.mean(value) / n) for name, value in stats.losses._asdict().items()}}
     if stats.episodes.min() > 0:  # every seed ended episodes
         returns = stats.return_sum / stats.episodes
@@ -635,7 +631,7 @@ def main(args: Args) -> dict:
     state, run = make_state(), open_run(args)
     updates_done, n, start, row = first, 0, time.time(), {}
     while updates_done < num_updates:
-        # Between calls: checkpoint past a multiple of --checkpoint-every; stop on a signal.
+        # Between calls: a checkpoint past each multiple of --checkpoint-every; a stop signal ends here.
         safe_point(caught, updates_done, run, partial(checkpoint, args, run, state, updates_done, steps_per_update),
                    due=updates_done % args.checkpoint_every < n)
         n = min(args.log_every, num_updates - updates_done)
@@ -643,7 +639,9 @@ def main(args: Args) -> dict:
         state, stats = train(state, np.int32(updates_done), np.int32(n))
         stats = jax.device_get(stats)  # waits for the call
         updates_done += n
-        row = metrics_row(args, stats, updates_done, n, steps_per_update, num_updates, time.time() - tic)
+        sps = n * steps_per_update * args.num_seeds / (time.time() - tic)
+        lr = learning_rate(args, num_updates, updates_done - 1)  # of the call's last update
+        row = {"global_step": updates_done * steps_per_update, "update": updates_done, **metrics_row(stats, n, lr, sps)}
         check_finite({name: value for name, value in row.items() if name.startswith("losses/")}, updates_done, run)
         eta = (time.time() - start) / (updates_done - first) * (num_updates - updates_done)
         log(run, row, num_updates, num_updates * steps_per_update, eta)
