@@ -302,8 +302,9 @@ def entropy(params, out):
 # ---- The loss: GAE (Schulman et al. 2016) and PPO's clipped objective (2017)
 
 def gae(rewards, values, next_values, terminated, done, gamma, lam):
-    """Advantages and value targets [T, B]. Only a termination zeroes the bootstrap `next_values` (V of the obs
-    an action led to, before any reset), not a time-limit cut as in many JAX PPOs; any end stops the lambda-chain."""
+    """Advantages and value targets [T, B]. Only a termination zeroes the bootstrap `next_values` (V of the
+    obs an action led to, before any reset), not a time-limit cut as in many JAX PPOs; any end (`done`) stops
+    the lambda-chain."""
     deltas = rewards + gamma * next_values * (1.0 - terminated) - values
 
     def backward(adv_next, x):
