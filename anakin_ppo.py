@@ -477,9 +477,8 @@ def update(state, lr, args, env):
     k_act, k_reset, k_perm = jax.random.split(jax.random.fold_in(k_device, jax.lax.axis_index("devices")), 3)
     env_state, obs, traj = rollout(state.params, state.env_state, state.obs, k_act, k_reset, args, env)
     values, next_values = critic_values(state.params, traj)
-    ended = traj.step
-    done = (ended.terminated | ended.truncated).astype(jnp.float32)
-    advantages, targets = gae(ended.reward, values, next_values, ended.terminated.astype(jnp.float32), done,
+    done = (traj.step.terminated | traj.step.truncated).astype(jnp.float32)
+    advantages, targets = gae(traj.step.reward, values, next_values, traj.step.terminated.astype(jnp.float32), done,
                               args.gamma, args.gae_lambda)
     batch = Batch(obs=traj.obs, action=traj.action, log_prob=traj.log_prob, value=values, advantage=advantages,
                   target=targets)
@@ -487,8 +486,8 @@ def update(state, lr, args, env):
     minibatches = shuffled_minibatches(k_perm, batch, args)
     params, opt_state, losses = gradient_steps(state.params, state.opt_state, minibatches, lr, args)
     stats = Stats(losses=jax.lax.pmean(jax.tree.map(jnp.mean, losses), "devices"),
-                  return_sum=jax.lax.psum(ended.ep_return.sum(), "devices"),
-                  length_sum=jax.lax.psum(ended.ep_length.sum(), "devices"),
+                  return_sum=jax.lax.psum(traj.step.ep_return.sum(), "devices"),
+                  length_sum=jax.lax.psum(traj.step.ep_length.sum(), "devices"),
                   episodes=jax.lax.psum(done.sum(), "devices"))
     return TrainState(params=params, opt_state=opt_state, env_state=env_state, obs=obs, key=key), stats
 
