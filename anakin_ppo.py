@@ -1,11 +1,7 @@
 """PPO in the Anakin architecture (Hessel et al. 2021, section 3) on environments written in JAX.
 
-The environments (CartPole-v1, Pendulum-v1, same rules as gymnasium 1.4's) live in this file,
-so rollouts, GAE and every epoch and minibatch of PPO (Schulman et al. 2017) are one XLA
-program. The minimal unit is `update`: one agent on one device rolls its envs out for
-`--num-steps`, then does `--update-epochs` x `--num-minibatches` clipped-surrogate steps. It is
-looped `--log-every` times inside one compiled call, `vmap`ped over `--num-seeds` independent
-agents, and replicated over every device (and host) with `jit` + `shard_map`.
+The envs live in this file, so rollouts and PPO's epochs (Schulman et al. 2017) are one XLA program.
+Its minimal unit, `update`, is one agent on one device, looped, `vmap`ped over seeds and `shard_map`ped:
 
     host (Python)      one call = `--log-every` updates of every seed, no return to Python between
     -------------      -----------------------------------------------------------------------------
@@ -23,7 +19,7 @@ agents, and replicated over every device (and host) with `jit` + `shard_map`.
     log, checkpoint <- episode returns (psum), losses (pmean), per seed
 
 Examples:
-    python anakin_ppo.py                                  # CartPole-v1, ~15 s on a 2-core CPU
+    python anakin_ppo.py
     python anakin_ppo.py --env-id Pendulum-v1 --num-seeds 8
     python anakin_ppo.py --num-envs-per-device 2048 --total-timesteps 50_000_000
 """
@@ -72,67 +68,66 @@ from tensorboardX.summary import scalar
 @dataclass
 class Args:
     env_id: str = "CartPole-v1"
-    """environment defined in this file: CartPole-v1 (discrete) or Pendulum-v1 (continuous)"""
-    exp_name: str = Path(__file__).stem
-    """experiment name, part of the run folder's name"""
+    """CartPole-v1 (discrete actions) or Pendulum-v1 (continuous)"""
     seed: int = 1
-    """seeds parameters, environments and sampling (agent i of --num-seeds draws from (seed, i))"""
+    """seeds everything; agent i of --num-seeds draws from (seed, i)"""
     num_seeds: int = 1
-    """independent agents trained side by side in the same compiled program (vmap)"""
+    """independent agents trained side by side in one program (vmap)"""
+    # None: the env's value in DEFAULTS
     total_timesteps: int | None = None
-    """environment steps of one agent, summed over its envs, devices and hosts (default: per env)"""
+    """env steps of one agent, all devices and hosts (None: CartPole-v1 500_000, Pendulum-v1 1_000_000)"""
     learning_rate: float | None = None
-    """Adam step size (default: per env)"""
+    """Adam step size (None: CartPole-v1 2.5e-4, Pendulum-v1 1e-3)"""
     anneal_lr: bool = True
-    """decay the step size linearly to zero over the run"""
+    """decay the step size linearly to zero"""
     num_envs_per_device: int | None = None
-    """environments of each agent stepped on each device (default: per env)"""
+    """envs of each agent on each device (None: CartPole-v1 4, Pendulum-v1 32)"""
     num_devices: int | None = None
-    """devices used on each host (default: all local devices)"""
+    """devices used on each host (None: all)"""
     num_steps: int | None = None
-    """rollout length of one update, per env (default: per env)"""
+    """rollout length per env (None: CartPole-v1 128, Pendulum-v1 128)"""
     update_epochs: int | None = None
-    """passes over each rollout (default: per env)"""
+    """passes over each rollout (None: CartPole-v1 4, Pendulum-v1 10)"""
     num_minibatches: int | None = None
-    """minibatches per epoch, drawn on each device from its own rollout (default: per env)"""
+    """minibatches per epoch, on each device (None: CartPole-v1 4, Pendulum-v1 32)"""
     gamma: float | None = None
-    """discount factor (default: per env)"""
+    """discount factor (None: CartPole-v1 0.99, Pendulum-v1 0.95)"""
     gae_lambda: float = 0.95
-    """lambda of generalized advantage estimation"""
+    """GAE's lambda"""
     clip_coef: float = 0.2
-    """PPO ratio clip (and value clip) range"""
+    """PPO's ratio (and value) clip range"""
     clip_vloss: bool | None = None
-    """clip the value loss around the old values (default: per env)"""
+    """clip the value loss around the old values (None: CartPole-v1 True, Pendulum-v1 False)"""
     ent_coef: float | None = None
-    """entropy bonus coefficient (default: per env)"""
+    """entropy bonus coefficient (None: CartPole-v1 0.01, Pendulum-v1 0.0)"""
     vf_coef: float = 0.5
     """value loss coefficient"""
     max_grad_norm: float = 0.5
     """global-norm gradient clip"""
     log_every: int = 50
-    """updates per compiled call (no return to Python between them); one log line and metrics row per call"""
+    """updates per compiled call, with one log line each"""
     checkpoint_every: int = 500
-    """updates between checkpoints, at the next log line (one is always written at the end)"""
+    """updates between checkpoints, at the next log line (and one at the end)"""
+    # For the plumbing appendix only
+    exp_name: str = Path(__file__).stem
+    """part of the run folder's name"""
     run_dir: str = "runs"
     """parent folder of run folders"""
     resume: str | None = None
-    """checkpoint.npz to continue from (same flags; the run goes on to --total-timesteps)"""
+    """checkpoint.npz to continue from, with the same flags, up to --total-timesteps"""
     distributed: bool = False
     """call jax.distributed.initialize() for a multi-host run"""
     coordinator_address: str | None = None
-    """host:port of process 0 (multi-host; JAX detects it on SLURM, Cloud TPU, Kubernetes)"""
+    """host:port of process 0 (JAX finds it on SLURM, Cloud TPU, Kubernetes)"""
     num_processes: int | None = None
     """number of processes (multi-host)"""
     process_id: int | None = None
     """index of this process (multi-host)"""
     peer_timeout: int = 300
-    """seconds to wait for every process of a multi-host run to join before giving up"""
+    """seconds to wait for all processes to join"""
 
 
-# Per-env defaults. CartPole: CleanRL's ppo.py / PureJaxRL's CartPole config. Pendulum: a
-# short horizon (gamma 0.95: its reward is dense and a swing-up takes ~100 steps), many envs
-# (free in Anakin), long rollouts and 10 epochs as in rl-zoo's Pendulum PPO, no entropy
-# bonus or value clip (returns reach -300, far outside a 0.2 clip range).
+# CartPole: CleanRL's. Pendulum: rl-zoo's, gamma 0.95 (a swing-up takes ~100 steps), no value clip.
 DEFAULTS = {
     "CartPole-v1": dict(total_timesteps=500_000, learning_rate=2.5e-4, num_envs_per_device=4, num_steps=128,
                         update_epochs=4, num_minibatches=4, gamma=0.99, clip_vloss=True, ent_coef=0.01),
@@ -141,21 +136,20 @@ DEFAULTS = {
 }
 
 
-# ---- The environment: CartPole and Pendulum, pure JAX copies of gymnasium 1.4's classic control
-# An env is a handful of pure functions on one (unbatched) state, any pytree of arrays. To
-# bring your own, write these and add an `Env` to ENVS; time limit and auto-reset are generic.
+# ---- The environments: JAX copies of gymnasium 1.4's CartPole and Pendulum
+# Bring your own: an `Env`; time limit and auto-reset are generic.
 
 class Env(NamedTuple):
-    reset: Callable  # key -> state
-    step: Callable  # (state, action) -> (state, reward, terminated); no time limit, no reset
+    reset: Callable  # key -> state, any pytree of arrays
+    step: Callable  # (state, action) -> (state, reward, terminated), no time limit or reset
     observe: Callable  # state -> observation [obs_size] float32
     obs_size: int
-    action_size: int  # discrete: number of actions; continuous: action dimension
+    action_size: int  # actions, or the action's dimension if continuous
     continuous: bool
-    max_steps: int  # time limit: the episode is truncated (not terminated) after this many steps
+    max_steps: int  # then the episode is truncated, not terminated
 
 
-# CartPole (Barto, Sutton & Anderson 1983), gymnasium's constants and Euler integrator.
+# CartPole (Barto et al. 1983), gymnasium's constants and Euler steps.
 GRAVITY, MASS_CART, MASS_POLE, HALF_LENGTH, FORCE, TAU = 9.8, 1.0, 0.1, 0.5, 10.0, 0.02
 TOTAL_MASS, POLE_MOMENT = MASS_CART + MASS_POLE, MASS_POLE * HALF_LENGTH
 THETA_LIMIT, X_LIMIT = 12 * 2 * math.pi / 360, 2.4
@@ -174,10 +168,10 @@ def cartpole_step(state, action):
     x_acc = temp - POLE_MOMENT * theta_acc * cos / TOTAL_MASS
     state = jnp.stack([x + TAU * x_dot, x_dot + TAU * x_acc, theta + TAU * theta_dot, theta_dot + TAU * theta_acc])
     terminated = (jnp.abs(state[0]) > X_LIMIT) | (jnp.abs(state[2]) > THETA_LIMIT)
-    return state, jnp.float32(1.0), terminated  # +1 on every step, the last one included
+    return state, jnp.float32(1.0), terminated
 
 
-# Pendulum: gymnasium's swing-up, torque clipped to [-2, 2] by the env as gymnasium does.
+# Pendulum: gymnasium's swing-up; the env clips the torque.
 MAX_SPEED, MAX_TORQUE, DT, G = 8.0, 2.0, 0.05, 10.0  # mass and length are 1
 
 
@@ -199,15 +193,17 @@ def pendulum_observe(state):
 
 
 ENVS = {
-    "CartPole-v1": Env(cartpole_reset, cartpole_step, lambda s: s, 4, 2, False, 500),
-    "Pendulum-v1": Env(pendulum_reset, pendulum_step, pendulum_observe, 3, 1, True, 200),
+    "CartPole-v1": Env(reset=cartpole_reset, step=cartpole_step, observe=lambda state: state, obs_size=4,
+                       action_size=2, continuous=False, max_steps=500),
+    "Pendulum-v1": Env(reset=pendulum_reset, step=pendulum_step, observe=pendulum_observe, obs_size=3,
+                       action_size=1, continuous=True, max_steps=200),
 }
 
 
 class EnvState(NamedTuple):
     inner: jax.Array  # the env's own state
-    t: jax.Array  # steps taken in this episode (int32)
-    ep_return: jax.Array  # return of the episode in progress, for logging
+    t: jax.Array  # steps in this episode (int32)
+    ep_return: jax.Array  # of the episode so far
     ep_length: jax.Array
 
 
@@ -215,44 +211,41 @@ class Step(NamedTuple):
     obs: jax.Array  # what the agent sees next: a new episode's first obs if this one ended
     final_obs: jax.Array  # the obs this action led to, before any reset: bootstrap from it
     reward: jax.Array
-    terminated: jax.Array  # the episode reached a terminal state: its value is zero
-    truncated: jax.Array  # the time limit cut it (as gymnasium's TimeLimit: t >= max_steps)
-    ep_return: jax.Array  # return and length of the episode that ended here, else 0
+    terminated: jax.Array  # a terminal state, of value zero
+    truncated: jax.Array  # cut by the time limit, as gymnasium's TimeLimit does
+    ep_return: jax.Array  # of the episode that ended here, else 0
     ep_length: jax.Array
 
 
 def env_reset(env, key):
     inner = env.reset(key)
-    return EnvState(inner, jnp.int32(0), jnp.float32(0), jnp.int32(0)), env.observe(inner)
+    return EnvState(inner=inner, t=jnp.int32(0), ep_return=jnp.float32(0), ep_length=jnp.int32(0)), env.observe(inner)
 
 
-def env_step(env, state, action, fresh):
-    """Step one env with its time limit; where an episode ends, continue from `fresh`.
-
-    `fresh` = env_reset(env, key), drawn by the caller (in bulk: cheaper than one draw a step).
-    """
-    inner, reward, terminated = env.step(state.inner, action)
-    t, ep_return = state.t + 1, state.ep_return + reward
+def env_step(env, env_state, action, fresh):
+    """Step one env; where an episode ends, go on from `fresh` = env_reset(env, key)."""
+    inner, reward, terminated = env.step(env_state.inner, action)
+    t, ep_return = env_state.t + 1, env_state.ep_return + reward
     truncated = t >= env.max_steps
     done = terminated | truncated
     final_obs = env.observe(inner)
     fresh_state, first_obs = fresh
-    cont = EnvState(inner, t, ep_return, t)
-    state = jax.tree.map(lambda a, b: jnp.where(done, a, b), fresh_state, cont)
-    obs = jnp.where(done, first_obs, final_obs)
-    ended = Step(obs, final_obs, reward, terminated, truncated, jnp.where(done, ep_return, 0.0), jnp.where(done, t, 0))
-    return state, ended
+    going_on = EnvState(inner=inner, t=t, ep_return=ep_return, ep_length=t)
+    env_state = jax.tree.map(lambda a, b: jnp.where(done, a, b), fresh_state, going_on)
+    step = Step(obs=jnp.where(done, first_obs, final_obs), final_obs=final_obs, reward=reward, terminated=terminated,
+                truncated=truncated, ep_return=jnp.where(done, ep_return, 0.0), ep_length=jnp.where(done, t, 0))
+    return env_state, step
 
 
-# ---- The network: separate actor and critic MLPs (64, 64, tanh), CleanRL's initialisation --
+# ---- The network: actor and critic MLPs (64, 64, tanh), CleanRL's initialisation
 
 def init_mlp(rng, sizes, last_scale):
-    """Orthogonal weights (Saxe et al. 2014), zero biases; in NumPy, as XLA takes seconds to compile a QR."""
+    """Orthogonal weights, zero biases; in NumPy, as XLA takes seconds to compile a QR."""
     params = {}
     for i, (n_in, n_out) in enumerate(zip(sizes[:-1], sizes[1:])):
         scale = last_scale if i == len(sizes) - 2 else math.sqrt(2)
         q, r = np.linalg.qr(rng.standard_normal((max(n_in, n_out), min(n_in, n_out))))
-        q *= np.sign(np.diag(r))  # makes q uniformly distributed over orthogonal matrices
+        q *= np.sign(np.diag(r))  # uniform over orthogonal matrices
         w = scale * (q if n_in >= n_out else q.T)
         params[f"layer{i}"] = {"w": w.astype(np.float32), "b": np.zeros(n_out, np.float32)}
     return params
@@ -268,70 +261,51 @@ def mlp(params, x):
 def init_params(rng, env, hidden=64):
     params = {"actor": init_mlp(rng, (env.obs_size, hidden, hidden, env.action_size), 0.01),
               "critic": init_mlp(rng, (env.obs_size, hidden, hidden, 1), 1.0)}
-    if env.continuous:  # diagonal Gaussian: a learned log-std, the same in every state
+    if env.continuous:  # a state-independent learned log-std
         params["log_std"] = np.zeros(env.action_size, np.float32)
     return params
 
 
 def apply(params, obs):
-    """Policy output (logits, or the Gaussian's mean) [..., A] and value [...] of obs [..., O]."""
+    """Logits or Gaussian mean [..., A], and value [...], of obs [..., O]."""
     return mlp(params["actor"], obs), mlp(params["critic"], obs)[..., 0]
 
 
-# The policy's distribution: categorical (discrete) or diagonal Gaussian (continuous).
-
-def categorical_log_prob(logits, action):
-    return jnp.take_along_axis(jax.nn.log_softmax(logits), action[..., None], axis=-1)[..., 0]
-
-
-def categorical_entropy(logits):
-    log_p = jax.nn.log_softmax(logits)
-    return -jnp.sum(jnp.exp(log_p) * log_p, axis=-1)
-
-
-def gaussian_log_prob(mean, log_std, action):
-    z = (action - mean) * jnp.exp(-log_std)
-    return jnp.sum(-0.5 * z**2 - log_std - 0.5 * math.log(2 * math.pi), axis=-1)
-
-
-def gaussian_entropy(mean, log_std):
-    return jnp.sum(jnp.broadcast_to(0.5 + 0.5 * math.log(2 * math.pi) + log_std, mean.shape), axis=-1)
-
+# The policy: a diagonal Gaussian if the parameters hold a log-std, else categorical.
 
 def draw_noise(key, params, shape):
-    """The randomness of `sample`, drawn ahead for many steps at once: [..., A]."""
+    """`sample`'s randomness, drawn for many steps at once: [..., A]."""
     if "log_std" in params:
         return jax.random.normal(key, shape)
     return jax.random.gumbel(key, shape)
 
 
 def sample(params, out, noise):
-    if "log_std" in params:  # unclipped: the env clips, the loss sees the action drawn
+    if "log_std" in params:  # unclipped: the env clips
         return out + jnp.exp(params["log_std"]) * noise
-    return jnp.argmax(out + noise, axis=-1)  # the Gumbel-max trick: a draw from softmax(out)
+    return jnp.argmax(out + noise, axis=-1)  # Gumbel-max: a draw from softmax(out)
 
 
 def log_prob(params, out, action):
     if "log_std" in params:
-        return gaussian_log_prob(out, params["log_std"], action)
-    return categorical_log_prob(out, action)
+        z = (action - out) * jnp.exp(-params["log_std"])
+        return jnp.sum(-0.5 * z**2 - params["log_std"] - 0.5 * math.log(2 * math.pi), axis=-1)
+    return jnp.take_along_axis(jax.nn.log_softmax(out), action[..., None], axis=-1)[..., 0]
 
 
 def entropy(params, out):
     if "log_std" in params:
-        return gaussian_entropy(out, params["log_std"])
-    return categorical_entropy(out)
+        return jnp.sum(jnp.broadcast_to(0.5 + 0.5 * math.log(2 * math.pi) + params["log_std"], out.shape), axis=-1)
+    log_p = jax.nn.log_softmax(out)
+    return -jnp.sum(jnp.exp(log_p) * log_p, axis=-1)
 
 
-# ---- The loss: GAE(lambda) (Schulman et al. 2016) and PPO's clipped objective (2017) -------
+# ---- The loss: GAE (Schulman et al. 2016) and PPO's clipped objective (2017)
 
 def gae(rewards, values, next_values, terminated, done, gamma, lam):
-    """Advantages and value targets, all [T, B].
-
-    `next_values` is V of the observation each action led to, before any reset. Many JAX PPO
-    references treat a time-limit cut as a termination (bootstrap with 0); here only a real
-    termination zeroes the bootstrap, while any episode end (`done`) stops the lambda-chain.
-    """
+    """Advantages and value targets [T, B]. Only a termination zeroes the bootstrap `next_values` (V of the
+    obs an action led to, before any reset), not a time-limit cut as in many JAX PPOs; any end (`done`) stops
+    the lambda-chain."""
     deltas = rewards + gamma * next_values * (1.0 - terminated) - values
 
     def backward(adv_next, x):
@@ -344,7 +318,7 @@ def gae(rewards, values, next_values, terminated, done, gamma, lam):
 
 
 def policy_loss(new_log_prob, old_log_prob, advantages, clip_coef):
-    """Clipped surrogate loss, with the ratio's approx. KL (Schulman's k3) and clip fraction."""
+    """Clipped surrogate loss, approx. KL (Schulman's k3) and clip fraction."""
     log_ratio = new_log_prob - old_log_prob
     ratio = jnp.exp(log_ratio)
     loss = jnp.maximum(-advantages * ratio, -advantages * jnp.clip(ratio, 1 - clip_coef, 1 + clip_coef)).mean()
@@ -362,7 +336,7 @@ def value_loss(new_values, old_values, targets, clip_coef, clip):
 
 
 class Batch(NamedTuple):
-    """Rows of transitions for the PPO loss; leaves [N, ...]."""
+    """Leaves [N, ...]: one row a transition."""
     obs: jax.Array
     action: jax.Array
     log_prob: jax.Array
@@ -380,11 +354,8 @@ class Losses(NamedTuple):
 
 
 def normalize(advantages):
-    """Zero mean, unit std over the agent's global minibatch: its rows on every device.
-
-    Normalising on each device alone would make N devices run another algorithm than one (with
-    one env a device, one env's statistics). Under `vmap` over seeds a psum sums each seed's own.
-    """
+    """Zero mean, unit std over the minibatch's rows on all devices (per device, N devices would run another
+    algorithm than one). Under `vmap`, a psum sums each seed's own."""
     n = jax.lax.psum(jnp.float32(advantages.size), "devices")
     mean = jax.lax.psum(advantages.sum(), "devices") / n
     var = jax.lax.psum(((advantages - mean) ** 2).sum(), "devices") / n
@@ -398,58 +369,56 @@ def ppo_loss(params, batch, args):
     v_loss = value_loss(values, batch.value, batch.target, args.clip_coef, args.clip_vloss)
     ent = entropy(params, out).mean()
     loss = pg_loss - args.ent_coef * ent + args.vf_coef * v_loss
-    return loss, Losses(pg_loss, v_loss, ent, approx_kl, clipfrac)
+    return loss, Losses(policy_loss=pg_loss, value_loss=v_loss, entropy=ent, approx_kl=approx_kl, clipfrac=clipfrac)
 
 
-# ---- Acting and learning on one device (the Anakin unit) ----------------------------------
+# ---- Acting and learning on one device: the Anakin unit
 
 class Trajectory(NamedTuple):
     """One agent's rollout on one device; leaves [T, E, ...]."""
     obs: jax.Array  # what the agent saw when it acted
     action: jax.Array
-    log_prob: jax.Array  # of the action, under the policy that acted
-    step: Step  # what the env did
+    log_prob: jax.Array  # under the acting policy
+    step: Step
 
 
 class TrainState(NamedTuple):
-    """What one agent carries from update to update."""
+    """One agent, from update to update."""
     params: dict
     opt_state: optax.OptState
-    env_state: EnvState  # leaves [num envs, ...], split across devices
-    obs: jax.Array  # [num envs, O]
-    key: jax.Array  # the same on every device; each device folds in its index
+    env_state: EnvState  # leaves [E, ...]
+    obs: jax.Array  # [E, O]
+    key: jax.Array  # the same on every device, which folds in its index
 
 
 class Stats(NamedTuple):
-    """One update's figures, summed over the updates of a compiled call."""
+    """One update's figures, summed over a call's updates."""
     losses: Losses  # means over minibatches and devices
-    return_sum: jax.Array  # summed over the episodes that ended, on all devices
+    return_sum: jax.Array  # over the episodes that ended, on all devices
     length_sum: jax.Array
     episodes: jax.Array
 
 
 def make_optimizer(args):
-    # Adam without a step size: `gradient_steps` applies the (annealed) learning rate itself. Flattened:
-    # all parameters as one vector, so each step is a few kernels rather than a few per array.
+    # `gradient_steps` applies the step size. Flat: a few kernels a step, not a few per array.
     return optax.flatten(optax.chain(optax.clip_by_global_norm(args.max_grad_norm), optax.scale_by_adam(eps=1e-5)))
 
 
-def learning_rate(args, num_updates, update):
-    """The step size of update number `update` (counted from 0); --anneal-lr decays it linearly to zero."""
-    return args.learning_rate * (1.0 - update / num_updates if args.anneal_lr else 1.0)
+def learning_rate(args, num_updates, update_index):
+    return args.learning_rate * (1.0 - update_index / num_updates if args.anneal_lr else 1.0)
 
 
 def init_state(key, params, args, env, num_envs):
     k_envs, k_run = jax.random.split(key)
     env_state, obs = jax.vmap(lambda k: env_reset(env, k))(jax.random.split(k_envs, num_envs))
-    return TrainState(params, make_optimizer(args).init(params), env_state, obs, k_run)
+    return TrainState(params=params, opt_state=make_optimizer(args).init(params), env_state=env_state, obs=obs,
+                      key=k_run)
 
 
 def rollout(params, env_state, obs, k_act, k_reset, args, env):
     """Act for `num_steps` in every env of this device."""
     num_envs = obs.shape[0]
-    # All the rollout's randomness drawn up front, in two batched calls: action noise, and an
-    # episode start for every env and step (used only where an episode ends).
+    # All randomness in two draws: action noise, and a new episode for each env and step.
     noise = draw_noise(k_act, params, (args.num_steps, num_envs, env.action_size))
     resets = jax.random.split(k_reset, args.num_steps * num_envs).reshape(args.num_steps, num_envs, -1)
     fresh = jax.vmap(jax.vmap(lambda k: env_reset(env, k)))(resets)
@@ -457,30 +426,24 @@ def rollout(params, env_state, obs, k_act, k_reset, args, env):
     def act_and_step(carry, x):
         env_state, obs = carry
         noise, fresh = x
-        out = mlp(params["actor"], obs)  # acting needs only the actor, which also gives the old log-probs
+        out = mlp(params["actor"], obs)  # the actor alone, which gives the old log-probs
         action = sample(params, out, noise)
         env_state, step = jax.vmap(lambda s, a, f: env_step(env, s, a, f))(env_state, action, fresh)
-        return (env_state, step.obs), Trajectory(obs, action, log_prob(params, out, action), step)
+        traj = Trajectory(obs=obs, action=action, log_prob=log_prob(params, out, action), step=step)
+        return (env_state, step.obs), traj
 
     (env_state, obs), traj = jax.lax.scan(act_and_step, (env_state, obs), (noise, fresh))
     return env_state, obs, traj
 
 
 def critic_values(params, traj):
-    """V of every observation seen and of every one an action led to (before any reset), [T, E] each:
-    one batched pass after the rollout, cheaper than one a step inside it, and the same numbers."""
+    """V of the obs seen and of the obs the actions led to, [T, E] each, in one pass."""
     return mlp(params["critic"], jnp.stack([traj.obs, traj.step.final_obs]))[..., 0]
 
 
 def permutations(key, num, n):
-    """`num` uniformly random permutations of range(n), [num, n]: each a sort by random keys.
-
-    A key is `words` uint32s compared in turn, the row index packed into the last one's low bits
-    (XLA:CPU sorts packed keys faster than keys with an index array beside them). Rows whose keys
-    tie keep their order, which is their order in time; one word would leave 32 - log2(n) random
-    bits, and at 2^20 rows thousands of ties. With at least 2 log2(n) + 32 random bits, any tie in
-    a shuffle has probability below 2^-33, at every size.
-    """
+    """`num` random permutations of range(n), [num, n]: sorts by keys of `words` uint32s, the row index in the
+    last one's low bits. Ties would keep time order: 2 log2(n) + 32 random bits make them rarer than 2^-33."""
     bits = max(1, (n - 1).bit_length())
     words = 1 + -(-3 * bits // 32)  # ceil: 32 * words - bits >= 2 * bits + 32
     keys = list(jax.random.bits(key, (words, num, n)))
@@ -489,20 +452,18 @@ def permutations(key, num, n):
 
 
 def shuffled_minibatches(key, batch, args):
-    """Every epoch's shuffle of the rows at once, cut into minibatches: leaves [epochs x minibatches,
-    rows / minibatches, ...], so that the gradient steps are one flat scan (cheaper to compile and run
-    than a scan of epochs around one of minibatches)."""
+    """Each epoch's shuffle, as minibatches [epochs x minibatches, rows / minibatches, ...]."""
     n = batch.obs.shape[0]
-    order = permutations(key, args.update_epochs, n).reshape(-1)  # one shuffle per epoch
+    order = permutations(key, args.update_epochs, n).reshape(-1)
     return jax.tree.map(lambda x: x[order].reshape(-1, n // args.num_minibatches, *x.shape[1:]), batch)
 
 
 def gradient_steps(params, opt_state, minibatches, lr, args):
-    """One step of the PPO loss per minibatch, in turn, with the mean gradient of all devices."""
+    """One step per minibatch, with the mean gradient of all devices."""
     def sgd_step(carry, minibatch):
         params, opt_state = carry
         grads, losses = jax.grad(ppo_loss, has_aux=True)(params, minibatch, args)
-        grads = jax.lax.pmean(grads, "devices")  # every device now holds the same mean gradient
+        grads = jax.lax.pmean(grads, "devices")
         updates, opt_state = make_optimizer(args).update(grads, opt_state)
         params = jax.tree.map(lambda p, u: p - lr * u, params, updates)
         return (params, opt_state), losses
@@ -512,7 +473,7 @@ def gradient_steps(params, opt_state, minibatches, lr, args):
 
 
 def update(state, lr, args, env):
-    """One PPO update of one agent on one device: rollout, critic, GAE, minibatches, gradient steps."""
+    """One PPO update of one agent on one device."""
     key, k_device = jax.random.split(state.key)
     k_act, k_reset, k_perm = jax.random.split(jax.random.fold_in(k_device, jax.lax.axis_index("devices")), 3)
     env_state, obs, traj = rollout(state.params, state.env_state, state.obs, k_act, k_reset, args, env)
@@ -520,52 +481,42 @@ def update(state, lr, args, env):
     done = (traj.step.terminated | traj.step.truncated).astype(jnp.float32)
     advantages, targets = gae(traj.step.reward, values, next_values, traj.step.terminated.astype(jnp.float32), done,
                               args.gamma, args.gae_lambda)
-    batch = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]),
-                         Batch(traj.obs, traj.action, traj.log_prob, values, advantages, targets))  # [T*E, ...]
+    batch = Batch(obs=traj.obs, action=traj.action, log_prob=traj.log_prob, value=values, advantage=advantages,
+                  target=targets)
+    batch = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), batch)  # [T*E, ...]
     minibatches = shuffled_minibatches(k_perm, batch, args)
     params, opt_state, losses = gradient_steps(state.params, state.opt_state, minibatches, lr, args)
-    stats = Stats(jax.lax.pmean(jax.tree.map(jnp.mean, losses), "devices"),
-                  *(jax.lax.psum(x.sum(), "devices") for x in (traj.step.ep_return, traj.step.ep_length, done)))
-    return TrainState(params, opt_state, env_state, obs, key), stats
+    stats = Stats(losses=jax.lax.pmean(jax.tree.map(jnp.mean, losses), "devices"),
+                  return_sum=jax.lax.psum(traj.step.ep_return.sum(), "devices"),
+                  length_sum=jax.lax.psum(traj.step.ep_length.sum(), "devices"),
+                  episodes=jax.lax.psum(done.sum(), "devices"))
+    return TrainState(params=params, opt_state=opt_state, env_state=env_state, obs=obs, key=key), stats
 
 
-def metrics_row(stats, n, lr, sps):
-    """The metrics of one call, from its Stats summed over `n` updates (leaves [seeds])."""
-    stats = jax.tree.map(np.asarray, stats)
-    row = {"charts/SPS": sps, "charts/learning_rate": lr,
-           **{f"losses/{name}": float(np.mean(value) / n) for name, value in stats.losses._asdict().items()}}
-    if stats.episodes.min() > 0:  # the episodes that ended during the call, per seed
-        returns = stats.return_sum / stats.episodes
-        row.update({"charts/episodic_return": float(returns.mean()), "charts/episodic_return_min": float(returns.min()),
-                    "charts/episodic_return_max": float(returns.max()),
-                    "charts/episodic_length": float((stats.length_sum / stats.episodes).mean())})
-        if len(returns) > 1:
-            row.update({f"charts/episodic_return_seed{i}": float(r) for i, r in enumerate(returns)})
-    return row
+# ---- The device mapping: loop updates, vmap seeds, shard_map devices
 
-
-# ---- The device mapping: loop updates, vmap seeds, shard_map devices ----------------------
-
-STATE_SPECS = TrainState(P(), P(), P(None, "devices"), P(None, "devices"), P())  # leaves [seeds, (envs), ...]
+# Leaves [seeds, (envs), ...]: parameters replicated, envs split.
+STATE_SPECS = TrainState(params=P(), opt_state=P(), env_state=P(None, "devices"), obs=P(None, "devices"), key=P())
 
 
 def make_train(args, env, mesh, num_updates):
-    """The compiled call: updates `first` to `first + n - 1` of every seed on every device of `mesh`, and
-    their Stats summed. The counts are traced, so the last, shorter call compiles nothing more."""
+    """Updates first..first + n - 1 of every seed, Stats summed; counts traced: one compilation."""
     def train(state, first, n):
         def one_update(i, carry):
             state, total = carry
             state, stats = update(state, learning_rate(args, num_updates, i), args, env)
             return state, jax.tree.map(jnp.add, total, stats)
 
-        zeros = Stats(Losses(*[jnp.float32(0)] * 5), jnp.float32(0), jnp.int32(0), jnp.float32(0))
+        zero = jnp.float32(0)
+        zeros = Stats(losses=Losses(zero, zero, zero, zero, zero), return_sum=zero, length_sum=jnp.int32(0),
+                      episodes=zero)
         return jax.lax.fori_loop(first, first + n, one_update, (state, zeros))
 
-    # check_vma=False: parameters enter replicated (P()) and the body combines the devices' gradients
-    # itself (pmean or psum); with the check on, JAX would already have summed them across devices.
+    # check_vma=False: the body pmeans the replicated (P()) parameters' gradients itself; with the
+    # check on, JAX would already have summed them across devices.
     sharded = jax.shard_map(jax.vmap(train, in_axes=(0, None, None)), mesh=mesh, in_specs=(STATE_SPECS, P(), P()),
                             out_specs=(STATE_SPECS, P()), check_vma=False)
-    # LLVM at -O1 on CPU: this small program then compiles in less time and runs as fast.
+    # LLVM -O1 on CPU: it compiles faster, runs as fast.
     options = {"xla_backend_optimization_level": 1} if jax.default_backend() == "cpu" else {}
     return jax.jit(sharded, donate_argnums=0, compiler_options=options)
 
@@ -575,8 +526,7 @@ def shardings(mesh):
 
 
 def init_on_mesh(args, env, mesh, num_envs):
-    """A compiled init of every seed's TrainState, laid out on the mesh (each host makes its own shards),
-    and the shapes it returns (a checkpoint's template)."""
+    """Every seed's compiled init on the mesh, and its shapes."""
     keys = jax.random.split(jax.random.PRNGKey(args.seed), args.num_seeds)
     params = [init_params(np.random.default_rng([args.seed, i]), env) for i in range(args.num_seeds)]
     params = jax.tree.map(lambda *p: np.stack(p), *params)
@@ -585,7 +535,7 @@ def init_on_mesh(args, env, mesh, num_envs):
 
 
 def place(state, mesh):
-    """A host TrainState (NumPy leaves, every host's envs) onto the mesh, laid out as STATE_SPECS says."""
+    """A host TrainState (every host's envs) onto the mesh."""
     def put(sharding, part):
         return jax.tree.map(lambda a: jax.make_array_from_callback(a.shape, sharding, lambda i: a[i]), part)
 
@@ -602,25 +552,44 @@ def pick_devices(args):
     return Mesh(np.array(devices), ("devices",))
 
 
-def initial_state(args, env, mesh, batch):
-    """What makes every seed's TrainState on the mesh, fresh or --resume's, its shapes, and the update it starts
-    after."""
-    if args.total_timesteps < batch:
-        fail(f"--total-timesteps {args.total_timesteps:,} is less than one update: {batch:,} steps "
+# ---- The run: flags, state, the compiled call, metrics
+
+def check_args(args):
+    """Every flag, before anything is compiled; None takes the env's DEFAULTS."""
+    if args.env_id not in ENVS:
+        close = difflib.get_close_matches(args.env_id, list(ENVS), n=1, cutoff=0.3)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        fail(f"--env-id {args.env_id!r} is not available{hint}; this file defines: {', '.join(map(repr, ENVS))}")
+    args = dataclasses.replace(args, **{k: v for k, v in DEFAULTS[args.env_id].items() if getattr(args, k) is None})
+    check_flags(args, unit=("gamma", "gae_lambda"), positive=("learning_rate",))
+    check_seed(args.seed, 2**32)
+    rollout_size = args.num_steps * args.num_envs_per_device
+    if rollout_size % args.num_minibatches:
+        fail(f"--num-minibatches {args.num_minibatches} must divide the rollout on each device, "
+             f"--num-steps x --num-envs-per-device = {rollout_size}")
+    if rollout_size > 2**24:  # `permutations` packs row indices in 32 bits
+        fail(f"--num-steps x --num-envs-per-device = {rollout_size} is more than 2**24 rows per device")
+    return args
+
+
+def initial_state(args, env, mesh, steps_per_update):
+    """What makes the state (fresh or --resume's), its shapes, the updates done."""
+    if args.total_timesteps < steps_per_update:
+        fail(f"--total-timesteps {args.total_timesteps:,} is less than one update: {steps_per_update:,} steps "
              f"(--num-steps {args.num_steps} x {args.num_envs_per_device} envs x {mesh.size} devices)")
     init, shapes = init_on_mesh(args, env, mesh, args.num_envs_per_device * mesh.size)
     if not args.resume:
         return init, shapes, 0
     template = {"state": shapes, "update": np.int64(0), "global_step": np.int64(0)}
-    ckpt = load(args, template, batch, f"here {args.num_envs_per_device} envs on each of {mesh.size} devices")
+    hint = f"here {args.num_envs_per_device} envs on each of {mesh.size} devices"
+    ckpt = load(args, template, steps_per_update, hint)
     return partial(place, ckpt["state"], mesh), shapes, int(ckpt["update"])
 
 
 def compile_train(args, env, mesh, shapes, first, num_updates, run):
-    """make_train compiled ahead of time, so that SPS never includes compilation; refused if it cannot fit."""
+    """make_train compiled ahead, out of SPS; refused if it cannot fit (its run folder removed)."""
     tic = time.time()
-    train = make_train(args, env, mesh, num_updates)
-    train = train.lower(shapes, np.int32(first), np.int32(args.log_every)).compile()
+    train = make_train(args, env, mesh, num_updates).lower(shapes, np.int32(first), np.int32(args.log_every)).compile()
     say(f"compiled in {time.time() - tic:.1f}s")
     used = train.memory_analysis()
     check_fits(used.temp_size_in_bytes + used.argument_size_in_bytes + used.output_size_in_bytes,
@@ -629,34 +598,27 @@ def compile_train(args, env, mesh, shapes, first, num_updates, run):
     return train
 
 
-def checkpoint(args, run, state, update, batch):
-    """Every process takes part in gathering every host's envs; process 0 saves them."""
+def checkpoint(args, run, state, updates_done, steps_per_update):
+    """All processes gather every host's envs, process 0 saves."""
     host = multihost_utils.process_allgather(state, tiled=True)
-    save(run, {"state": host, "update": np.int64(update), "global_step": np.int64(update * batch)}, args)
+    save(run, {"state": host, "update": np.int64(updates_done),
+               "global_step": np.int64(updates_done * steps_per_update)}, args)
 
 
-# ---- This script's flags ------------------------------------------------------------------
+def metrics_row(stats, n, lr, sps):
+    """One call's metrics (CleanRL's names), from Stats summed over its `n` updates, leaves [seeds]."""
+    stats = jax.tree.map(np.asarray, stats)
+    row = {"charts/SPS": sps, "charts/learning_rate": lr,
+           **{f"losses/{name}": float(np.mean(value) / n) for name, value in stats.losses._asdict().items()}}
+    if stats.episodes.min() > 0:  # every seed ended episodes
+        returns = stats.return_sum / stats.episodes
+        row.update({"charts/episodic_return": float(returns.mean()), "charts/episodic_return_min": float(returns.min()),
+                    "charts/episodic_return_max": float(returns.max()),
+                    "charts/episodic_length": float((stats.length_sum / stats.episodes).mean())})
+        if len(returns) > 1:
+            row.update({f"charts/episodic_return_seed{i}": float(r) for i, r in enumerate(returns)})
+    return row
 
-def check_args(args):
-    """Every flag, before anything is compiled; fills in the env's defaults."""
-    if args.env_id not in ENVS:
-        close = difflib.get_close_matches(args.env_id, list(ENVS), n=1, cutoff=0.3)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        fail(f"--env-id {args.env_id!r} is not available{hint}; this file defines: {', '.join(map(repr, ENVS))}")
-    defaults = {k: v for k, v in DEFAULTS[args.env_id].items() if getattr(args, k) is None}
-    args = dataclasses.replace(args, **defaults)
-    check_flags(args, unit=("gamma", "gae_lambda"), positive=("learning_rate",))
-    check_seed(args.seed, 2**32)
-    rollout_size = args.num_steps * args.num_envs_per_device
-    if rollout_size % args.num_minibatches:
-        fail(f"--num-minibatches {args.num_minibatches} must divide the rollout on each device, "
-             f"--num-steps x --num-envs-per-device = {rollout_size}")
-    if rollout_size > 2**24:  # the minibatch shuffle packs row indices into 32-bit sort keys
-        fail(f"--num-steps x --num-envs-per-device = {rollout_size} is more than 2**24 rows per device")
-    return args
-
-
-# ---- The run: compile the Anakin call once, call it, log --------------------------------------
 
 def main(args: Args) -> dict:
     caught = catch_stop_signals()
@@ -664,28 +626,30 @@ def main(args: Args) -> dict:
     env = ENVS[args.env_id]
     start_distributed(args, caught)
     mesh = pick_devices(args)
-    batch = args.num_steps * args.num_envs_per_device * mesh.size
-    num_updates = args.total_timesteps // batch
-    make_state, shapes, first = initial_state(args, env, mesh, batch)
+    steps_per_update = args.num_steps * args.num_envs_per_device * mesh.size
+    num_updates = args.total_timesteps // steps_per_update
+    make_state, shapes, first = initial_state(args, env, mesh, steps_per_update)
     run = open_run(args)
     train = compile_train(args, env, mesh, shapes, first, num_updates, run)
     state = make_state()
-    update, n, start, row = first, 0, time.time(), {}
-    while update < num_updates:
-        safe_point(caught, update, run, partial(checkpoint, args, run, state, update, batch),
-                   due=update % args.checkpoint_every < n)  # a multiple of --checkpoint-every was passed
-        n = min(args.log_every, num_updates - update)
+    updates_done, n, start, row = first, 0, time.time(), {}
+    while updates_done < num_updates:
+        # Between calls: a checkpoint past each multiple of --checkpoint-every; a stop signal ends here.
+        safe_point(caught, updates_done, run, partial(checkpoint, args, run, state, updates_done, steps_per_update),
+                   due=updates_done % args.checkpoint_every < n)
+        n = min(args.log_every, num_updates - updates_done)
         tic = time.time()
-        state, stats = train(state, np.int32(update), np.int32(n))
-        stats = jax.device_get(stats)  # sums over the call's n updates; waits for them
-        update += n
-        sps = n * batch * args.num_seeds / (time.time() - tic)
-        lr = learning_rate(args, num_updates, update - 1)  # the step size of the call's last update
-        row = {"global_step": update * batch, "update": update, **metrics_row(stats, n, lr, sps)}
-        check_finite({name: value for name, value in row.items() if name.startswith("losses/")}, update, run)
-        eta = (time.time() - start) / (update - first) * (num_updates - update)
-        log(run, row, num_updates, num_updates * batch, eta)
-    safe_point(caught, update, run, partial(checkpoint, args, run, state, update, batch), due=True)
+        state, stats = train(state, np.int32(updates_done), np.int32(n))
+        stats = jax.device_get(stats)  # waits for the call
+        updates_done += n
+        sps = n * steps_per_update * args.num_seeds / (time.time() - tic)
+        lr = learning_rate(args, num_updates, updates_done - 1)  # of the call's last update
+        row = {"global_step": updates_done * steps_per_update, "update": updates_done, **metrics_row(stats, n, lr, sps)}
+        check_finite({name: value for name, value in row.items() if name.startswith("losses/")}, updates_done, run)
+        eta = (time.time() - start) / (updates_done - first) * (num_updates - updates_done)
+        log(run, row, num_updates, num_updates * steps_per_update, eta)
+    safe_point(caught, updates_done, run, partial(checkpoint, args, run, state, updates_done, steps_per_update),
+               due=True)
     row["checksum"] = checksum(state.params)
     say(f"checksum {row['checksum']}")
     return row

@@ -2,6 +2,7 @@
 against NumPy, then end-to-end runs (learning, devices, seeds, hosts, resume, bad input)."""
 
 import math
+import re
 import signal
 
 import gymnasium as gym
@@ -9,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import tyro
 
 from conftest import ROOT, checksum, error_line, load, run, run_two_hosts, spawn
 
@@ -16,6 +18,18 @@ ppo = load("anakin_ppo.py")
 SCRIPT = "anakin_ppo.py"
 DEFAULT = ppo.check_args(ppo.Args())  # the default flags, CartPole-v1's
 STEPS_PER_UPDATE = DEFAULT.num_steps * DEFAULT.num_envs_per_device
+
+
+def test_help_names_each_envs_value_of_every_flag_left_at_none(capsys):
+    """check_args fills such a flag from DEFAULTS; its --help names the same values."""
+    with pytest.raises(SystemExit):
+        tyro.cli(ppo.Args, args=["--help"])
+    helptext = " ".join(capsys.readouterr().out.replace("│", " ").split())  # without the box around it
+    for name in ppo.DEFAULTS["CartPole-v1"]:
+        flag_help = helptext.split(f"--{name.replace('_', '-')} {{None")[1].split("(default:")[0]
+        for env_id, defaults in ppo.DEFAULTS.items():
+            said = re.search(rf"{env_id} (\S+?)[,)]", flag_help).group(1)
+            assert said == str(defaults[name]) or float(said.replace("_", "")) == defaults[name], (name, env_id)
 
 
 # ---- The environments against gymnasium 1.4 ------------------------------------------------
@@ -57,7 +71,8 @@ def lockstep(env_id, policy, seed, n):
             gym_env.reset(seed=seed + i)
         gym_env.unwrapped.state = states.inner[i].astype(np.float64)
         obs, reward, terminated, truncated, _ = gym_env.step(to_gym_action(env_id, actions[i]))
-        gym_obs.append(obs), gym_rewards.append(reward), gym_terminated.append(terminated), gym_truncated.append(truncated)
+        gym_obs.append(obs), gym_rewards.append(reward)
+        gym_terminated.append(terminated), gym_truncated.append(truncated)
     np.testing.assert_allclose(steps.final_obs, np.array(gym_obs), rtol=0, atol=1e-5)
     np.testing.assert_allclose(steps.reward, np.array(gym_rewards), rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(steps.terminated, gym_terminated)
@@ -185,18 +200,18 @@ def test_value_loss_clips_around_old_values_only_when_asked():
 
 def test_categorical_log_prob_and_entropy():
     logits = jnp.array([[0.0, math.log(3.0)], [1.0, 1.0]])
-    np.testing.assert_allclose(ppo.categorical_log_prob(logits, jnp.array([1, 0])), np.log([0.75, 0.5]), rtol=1e-6)
+    np.testing.assert_allclose(ppo.log_prob({}, logits, jnp.array([1, 0])), np.log([0.75, 0.5]), rtol=1e-6)
     expected = [-(0.25 * np.log(0.25) + 0.75 * np.log(0.75)), np.log(2)]
-    np.testing.assert_allclose(ppo.categorical_entropy(logits), expected, rtol=1e-6)
+    np.testing.assert_allclose(ppo.entropy({}, logits), expected, rtol=1e-6)
 
 
 def test_gaussian_log_prob_and_entropy_match_the_closed_form():
     mean, log_std, action = np.array([0.5, -1.0]), np.array([0.3, -0.7]), np.array([1.2, -0.4])
     std = np.exp(log_std)
     density = np.prod(np.exp(-((action - mean) ** 2) / (2 * std**2)) / (std * np.sqrt(2 * np.pi)))
-    np.testing.assert_allclose(ppo.gaussian_log_prob(mean, log_std, action), np.log(density), rtol=1e-5)
-    np.testing.assert_allclose(ppo.gaussian_entropy(mean, log_std), np.sum(0.5 * np.log(2 * np.pi * np.e * std**2)),
-                               rtol=1e-6)
+    params = {"log_std": log_std}
+    np.testing.assert_allclose(ppo.log_prob(params, mean, action), np.log(density), rtol=1e-5)
+    np.testing.assert_allclose(ppo.entropy(params, mean), np.sum(0.5 * np.log(2 * np.pi * np.e * std**2)), rtol=1e-6)
 
 
 def test_sampling_follows_the_policy():
