@@ -183,7 +183,7 @@ def q_lambda_loss(q, q_last, actions, rewards, dones, gamma, lam):
 
 class Lane(NamedTuple):  # carried from update to update
     env: Catch
-    key: jax.Array  # its own: results do not depend on the device layout
+    key: jax.Array  # its own RNG key: results do not depend on the device layout
     ep_return: jax.Array
     ep_length: jax.Array
 
@@ -203,7 +203,7 @@ class TrainState(NamedTuple):
     lanes: Lane  # [envs, ...] split across devices
 
 
-class Stats(NamedTuple):  # one update's; a call sums them
+class Stats(NamedTuple):  # one update's figures; a call sums them
     td_loss: jax.Array  # means over lanes and devices
     q_values: jax.Array
     return_sum: jax.Array  # sums over the episodes ended
@@ -285,7 +285,7 @@ def metrics_row(stats, n, lr, sps):
 
 # ---- The device mapping: a loop of updates, shard_map over devices -------------------------
 
-STATE_SPECS = TrainState(params=P(), opt_state=P(), lanes=P("devices"))
+STATE_SPECS = TrainState(params=P(), opt_state=P(), lanes=P("devices"))  # params replicated, lanes split
 
 
 def make_train(args, mesh):
@@ -380,9 +380,9 @@ def main(args: Args) -> dict:
     state, run = make_state(), open_run(args)
     start_update, start_time, n, row = updates_done, time.time(), 0, {}
     while updates_done < num_updates:
-        # the last call passed a multiple of --checkpoint-every
-        passed = updates_done // args.checkpoint_every > (updates_done - n) // args.checkpoint_every
-        safe_point(caught, updates_done, run, partial(checkpoint, args, run, state, updates_done, batch), due=passed)
+        # due: the last call's n updates passed a multiple of --checkpoint-every
+        due = updates_done // args.checkpoint_every > (updates_done - n) // args.checkpoint_every
+        safe_point(caught, updates_done, run, partial(checkpoint, args, run, state, updates_done, batch), due=due)
         n = min(args.log_every, num_updates - updates_done)
         tic = time.time()
         state, stats = train(state, np.int32(n))
