@@ -22,6 +22,7 @@ over devices. The agent is the paper colab's.
 
 import contextlib
 import dataclasses
+import difflib
 import errno
 import hashlib
 import itertools
@@ -64,9 +65,9 @@ class Args:
     env_id: str = "Catch"
     """the only environment in this file: `Catch`"""
     exp_name: str = Path(__file__).stem
-    """part of the run folder's name"""
+    """experiment name, part of the run folder's name"""
     seed: int = 1
-    """seeds parameters, environments and exploration"""
+    """seeds everything: parameters, environments, exploration"""
     total_timesteps: int = 16_000_000
     """environment steps summed over all envs, devices and hosts"""
     learning_rate: float = 1e-4
@@ -82,20 +83,20 @@ class Args:
     q_lambda: float = 0.99
     """lambda of the Q(lambda) returns"""
     epsilon: float = 0.01
-    """probability of a random action"""
+    """probability of a random action, else greedy (the colab's: 0)"""
     log_every: int = 10
     """updates per compiled call and log line"""
     checkpoint_every: int = 100
-    """updates between checkpoints (and one at the end)"""
+    """updates between checkpoints, at the next log line (and one at the end)"""
     # used only by the plumbing appendix
     run_dir: str = "runs"
     """parent folder of run folders"""
     resume: str | None = None
-    """checkpoint.npz to continue from, up to --total-timesteps"""
+    """checkpoint.npz to continue from (same flags), up to --total-timesteps"""
     distributed: bool = False
     """call jax.distributed.initialize() for a multi-host run"""
     coordinator_address: str | None = None
-    """host:port of process 0 (detected on SLURM, Cloud TPU)"""
+    """host:port of process 0 (JAX detects it on SLURM, Cloud TPU, Kubernetes)"""
     num_processes: int | None = None
     """number of processes (multi-host)"""
     process_id: int | None = None
@@ -184,7 +185,7 @@ def q_lambda_loss(q, q_last, actions, rewards, dones, gamma, lam):
 class Lane(NamedTuple):  # carried from update to update
     env: Catch
     key: jax.Array  # its own RNG key: results do not depend on the device layout
-    ep_return: jax.Array
+    ep_return: jax.Array  # of the episode in progress
     ep_length: jax.Array
 
 
@@ -193,7 +194,7 @@ class Trajectory(NamedTuple):  # one lane's rollout, [T]
     action: jax.Array
     reward: jax.Array
     done: jax.Array  # the episode ended here
-    ended_return: jax.Array  # else 0
+    ended_return: jax.Array  # of the episode that ended here, else 0
     ended_length: jax.Array
 
 
@@ -325,7 +326,7 @@ def pick_devices(args):
 
 
 def initial_state(args, mesh, batch):
-    """The TrainState's maker (fresh or --resume's), its shapes, the updates done."""
+    """What makes the TrainState (fresh or --resume's), its shapes, the updates done."""
     if args.total_timesteps < batch:
         fail(f"--total-timesteps {args.total_timesteps:,} is less than one update: {batch:,} steps "
              f"(--num-steps {args.num_steps} x {args.num_envs_per_device} envs x {mesh.size} devices)")
@@ -339,7 +340,7 @@ def initial_state(args, mesh, batch):
 
 
 def compile_train(args, mesh, shapes):
-    """Compiled ahead: SPS never counts compiling, and what cannot fit is refused."""
+    """make_train compiled ahead: SPS never counts compiling; what cannot fit is refused."""
     tic = time.time()
     train = make_train(args, mesh).lower(shapes, np.int32(args.log_every)).compile()
     say(f"compiled in {time.time() - tic:.1f}s")
@@ -359,8 +360,10 @@ def checkpoint(args, run, state, updates_done, batch):
 
 def check_args(args):
     """Every flag, before anything is compiled."""
-    if args.env_id != "Catch":
-        fail(f"--env-id {args.env_id!r} is not available (did you mean 'Catch'?); this file defines: 'Catch'")
+    if args.env_id != "Catch":  # the common flag; it also names the run folder
+        close = difflib.get_close_matches(args.env_id, ["Catch"], n=1, cutoff=0.3)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        fail(f"--env-id {args.env_id!r} is not available{hint}; this file defines: 'Catch'")
     check_flags(args, unit=("gamma", "q_lambda", "epsilon"), positive=("learning_rate",))
     check_seed(args.seed, 2**32)
     return args
