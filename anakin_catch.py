@@ -1,13 +1,8 @@
 """Anakin on Catch: the Podracer paper's own example (Hessel et al. 2021, section 3).
 
-The environment is written in JAX, so acting and learning are one XLA program. Its minimal
-unit is `lane_loss`: one environment lane rolls out 16 steps with the Q-network and scores
-them with Q(lambda). That unit is `vmap`ped over the envs of a device, many updates loop
-(`fori_loop`) inside one compiled call, and the call is replicated over every device (and
-host) with `jit` + `shard_map`; gradients are averaged over envs and then across devices.
-
-The agent is the paper colab's (one hidden layer of 256, Adam 1e-4, 128 envs a device, rollouts
-of 16 steps, Q(lambda) with lambda 0.99); README.md says where this file departs from it.
+Catch is in JAX, so acting and learning are one XLA program: `lane_loss` (one env lane's rollout,
+scored with Q(lambda)) is `vmap`ped over a device's lanes, `fori_loop`ed over updates, `shard_map`ped
+over devices. The agent is the paper colab's.
 
     host (Python)          one call = `--log-every` updates, no return to Python between them
     -------------          ---------------------------------------------------------------------
@@ -21,10 +16,8 @@ of 16 steps, Q(lambda) with lambda 0.99); README.md says where this file departs
                              Adam step (identical everywhere)  Adam step
     log, checkpoint <---   metrics (psum / pmean)
 
-Examples:
     python anakin_catch.py                                   # ~1 min on a 2-core CPU
     python anakin_catch.py --num-envs-per-device 1024 --total-timesteps 20_000_000
-    python anakin_catch.py --resume runs/Catch__anakin_catch__1__1700000000/checkpoint.npz
 """
 
 import contextlib
@@ -71,85 +64,87 @@ from tensorboardX.summary import scalar
 @dataclass
 class Args:
     env_id: str = "Catch"
-    """environment: the only one in this file is `Catch` (bsuite's rules)"""
+    """the only environment in this file: `Catch`"""
     exp_name: str = Path(__file__).stem
     """experiment name, part of the run folder's name"""
     seed: int = 1
-    """seeds parameters, environments and exploration"""
+    """seeds everything: parameters, environments, exploration"""
     total_timesteps: int = 16_000_000
     """environment steps summed over all envs, devices and hosts"""
     learning_rate: float = 1e-4
     """Adam step size"""
     num_envs_per_device: int = 128
-    """environment lanes vmapped on each device"""
+    """env lanes vmapped on each device"""
     num_devices: int | None = None
-    """devices used on each host (default: all local devices)"""
+    """devices used on each host (None: all)"""
     num_steps: int = 16
-    """rollout length of one update, per env"""
+    """rollout length of an update"""
     gamma: float = 1.0
     """agent discount"""
     q_lambda: float = 0.99
     """lambda of the Q(lambda) returns"""
     epsilon: float = 0.01
-    """probability of a uniformly random action (acting is otherwise greedy; the colab's is 0)"""
+    """probability of a random action, else greedy (the colab's: 0)"""
     log_every: int = 10
-    """updates per compiled call (no return to Python between them); one log line and metrics row per call"""
+    """updates per compiled call and log line"""
     checkpoint_every: int = 100
-    """updates between checkpoints, at the next log line (one is always written at the end)"""
+    """updates between checkpoints, at the next log line (and one at the end)"""
+    # used only by the plumbing appendix
     run_dir: str = "runs"
     """parent folder of run folders"""
     resume: str | None = None
-    """checkpoint.npz to continue from (same flags; the run goes on to --total-timesteps)"""
+    """checkpoint.npz to continue from (same flags), up to --total-timesteps"""
     distributed: bool = False
     """call jax.distributed.initialize() for a multi-host run"""
     coordinator_address: str | None = None
-    """host:port of process 0 (multi-host; JAX detects it on SLURM, Cloud TPU, Kubernetes)"""
+    """host:port of process 0 (JAX detects it on SLURM, Cloud TPU, Kubernetes)"""
     num_processes: int | None = None
     """number of processes (multi-host)"""
     process_id: int | None = None
     """index of this process (multi-host)"""
     peer_timeout: int = 300
-    """seconds to wait for every process of a multi-host run to join before giving up"""
+    """seconds to wait for all processes to join"""
 
 
-# ---- The environment: Catch (bsuite, Osband et al. 2020), pure functions in JAX -----------
+# ---- The environment: Catch (bsuite, Osband et al. 2020) -----------------------------------
 
 ROWS, COLS = 10, 5
 NUM_ACTIONS = 3  # left, stay, right
 
 
-class Catch(NamedTuple):
-    ball_x: jax.Array  # int32 column of the ball
-    ball_y: jax.Array  # int32 row of the ball, 0 at the top
-    paddle_x: jax.Array  # int32 column of the paddle, which lives on the bottom row
+class Catch(NamedTuple):  # int32 scalars
+    ball_x: jax.Array
+    ball_y: jax.Array  # 0 at the top
+    paddle_x: jax.Array  # on the bottom row
 
 
 def reset(key):
-    return Catch(jax.random.randint(key, (), 0, COLS), jnp.int32(0), jnp.int32(COLS // 2))
+    return Catch(ball_x=jax.random.randint(key, (), 0, COLS), ball_y=jnp.int32(0), paddle_x=jnp.int32(COLS // 2))
 
 
 def observe(state):
-    """The board, [ROWS, COLS] float32: 1 at the ball and at the paddle."""
+    """[ROWS, COLS] float32: 1 at the ball and the paddle."""
     board = jnp.zeros((ROWS, COLS), jnp.float32).at[state.ball_y, state.ball_x].set(1.0)
     return board.at[ROWS - 1, state.paddle_x].set(1.0)
 
 
 def step(state, action, key):
-    """Move the paddle, drop the ball one row; at the bottom row score +-1 and reset."""
+    """Move the paddle, drop the ball; on the bottom row score +-1 and reset."""
     paddle_x = jnp.clip(state.paddle_x + action - 1, 0, COLS - 1)
     ball_y = state.ball_y + 1
     done = ball_y == ROWS - 1
     reward = jnp.where(done, jnp.where(paddle_x == state.ball_x, 1.0, -1.0), 0.0)
-    moved = Catch(state.ball_x, ball_y, paddle_x)
+    moved = state._replace(ball_y=ball_y, paddle_x=paddle_x)
     state = jax.tree.map(lambda new, old: jnp.where(done, new, old), reset(key), moved)
     return state, reward, done
 
 
-# ---- The network: the paper's Q-network, one hidden layer of 256 units --------------------
+# ---- The network: the colab's, one hidden layer of 256 -------------------------------------
 
 def linear(key, n_in, n_out):
-    """A layer initialised as Haiku's `hk.Linear` (the colab's): normal truncated at 2 std, std 1/sqrt(n_in)."""
-    return {"w": jax.random.truncated_normal(key, -2.0, 2.0, (n_in, n_out)) / jnp.sqrt(n_in), "b": jnp.zeros(n_out)}
+    """Haiku's `hk.Linear` init: normal truncated at 2 std, std 1/sqrt(n_in)."""
+    w = jax.random.truncated_normal(key, -2.0, 2.0, (n_in, n_out)) / jnp.sqrt(n_in)
+    return {"w": w, "b": jnp.zeros(n_out)}
 
 
 def init_params(key, hidden=256):
@@ -158,19 +153,16 @@ def init_params(key, hidden=256):
 
 
 def apply(params, obs):
-    """Q-values [..., NUM_ACTIONS] of boards [..., ROWS, COLS]: Flatten, Linear(256), ReLU, Linear(3)."""
+    """Q-values [..., NUM_ACTIONS] of boards [..., ROWS, COLS]."""
     x = obs.reshape(*obs.shape[:-2], -1)
     x = jax.nn.relu(x @ params["hidden"]["w"] + params["hidden"]["b"])
     return x @ params["out"]["w"] + params["out"]["b"]
 
 
-# ---- The loss: Q(lambda) (Watkins/Peng-style lambda-returns that bootstrap with max_a Q) ----
+# ---- The loss: Q(lambda), bootstrapping with max_a Q ---------------------------------------
 
 def lambda_returns(rewards, discounts, next_values, lam):
-    """G_t = r_t + d_t ((1 - lam) v_{t+1} + lam G_{t+1}), with G_T-1 bootstrapping on v_T.
-
-    All inputs are [T]; `discounts` is zero where an episode ended at step t.
-    """
+    """G_t = r_t + d_t ((1 - lam) v_t+1 + lam G_t+1), G_T = v_T; [T] each, d_t 0 at an episode end."""
     def backward(g_next, x):
         r, d, v = x
         g = r + d * ((1 - lam) * v + lam * g_next)
@@ -181,54 +173,42 @@ def lambda_returns(rewards, discounts, next_values, lam):
 
 
 def q_lambda_loss(q, q_last, actions, rewards, dones, gamma, lam):
-    """Mean squared TD error of Q(s_t, a_t) against Q(lambda) returns (the colab's loss).
-
-    q: [T, A] Q-values at s_0..s_T-1; q_last: [A] at s_T; the rest [T]. Q at s_t+1 is the
-    next step's row of `q`; after an episode end that row belongs to the reset state, and
-    the zero discount masks it out.
-    """
+    """Mean squared error of Q(s_t, a_t) against Q(lambda) returns; q: [T, A], q_last: [A], the rest [T].
+    The zero discount at an episode end masks the next row of `q` (the reset state's)."""
     next_values = jnp.max(jnp.concatenate([q[1:], q_last[None]]), axis=-1)
     targets = lambda_returns(rewards, gamma * (1.0 - dones), next_values, lam)
     q_taken = jnp.take_along_axis(q, actions[:, None], axis=-1)[:, 0]
     return jnp.mean((jax.lax.stop_gradient(targets) - q_taken) ** 2)
 
 
-class Losses(NamedTuple):
-    td_loss: jax.Array  # the Q(lambda) loss
-    q_values: jax.Array  # mean Q-value of the states acted in
+# ---- Acting and learning on one device ----------------------------------------------------
 
-
-# ---- Acting and learning on one device (the Anakin unit) ----------------------------------
-
-class Lane(NamedTuple):
-    """What one environment lane carries from update to update."""
+class Lane(NamedTuple):  # carried from update to update
     env: Catch
-    key: jax.Array  # the lane's own RNG, so results do not depend on the device layout
-    ep_return: jax.Array  # return of the episode in progress
+    key: jax.Array  # its own RNG key: results do not depend on the device layout
+    ep_return: jax.Array  # of the episode in progress
     ep_length: jax.Array
 
 
-class Trajectory(NamedTuple):
-    """One lane's rollout; every field is [T] except q, [T, NUM_ACTIONS]."""
-    q: jax.Array  # Q-values computed to act (the loss differentiates these)
+class Trajectory(NamedTuple):  # one lane's rollout, [T]
+    q: jax.Array  # [T, NUM_ACTIONS]; the loss differentiates these
     action: jax.Array
     reward: jax.Array
-    done: jax.Array  # the episode ended at this step
-    ended_return: jax.Array  # return of the episode that ended here, else 0
+    done: jax.Array  # the episode ended here
+    ended_return: jax.Array  # of the episode that ended here, else 0
     ended_length: jax.Array
 
 
 class TrainState(NamedTuple):
-    """What the run carries from update to update."""
     params: dict
     opt_state: optax.OptState
-    lanes: Lane  # leaves [num envs, ...], split across devices
+    lanes: Lane  # [envs, ...] split across devices
 
 
-class Stats(NamedTuple):
-    """One update's figures, summed over the updates of a compiled call."""
-    losses: Losses  # means over lanes and devices
-    return_sum: jax.Array  # summed over the episodes that ended, on all devices
+class Stats(NamedTuple):  # one update's figures; a call sums them
+    td_loss: jax.Array  # means over lanes and devices
+    q_values: jax.Array
+    return_sum: jax.Array  # sums over the episodes ended
     length_sum: jax.Array
     episodes: jax.Array
 
@@ -241,14 +221,13 @@ def init_state(key, args, num_envs):
     k_params, k_lanes = jax.random.split(key)
     params = init_params(k_params)
     keys = jax.vmap(jax.random.split)(jax.random.split(k_lanes, num_envs))  # [envs, 2, 2]
-    envs = jax.vmap(reset)(keys[:, 0])
     zeros = jnp.zeros(num_envs)
-    lanes = Lane(envs, keys[:, 1], zeros, zeros.astype(jnp.int32))
-    return TrainState(params, make_optimizer(args).init(params), lanes)
+    lanes = Lane(env=jax.vmap(reset)(keys[:, 0]), key=keys[:, 1], ep_return=zeros, ep_length=zeros.astype(jnp.int32))
+    return TrainState(params=params, opt_state=make_optimizer(args).init(params), lanes=lanes)
 
 
 def rollout(params, lane, args):
-    """Act epsilon-greedily for `num_steps` in one lane; also the bootstrap Q-values."""
+    """Act epsilon-greedily for `num_steps`; also Q at the last state."""
     def act_and_step(lane, _):
         key, k_explore, k_random, k_reset = jax.random.split(lane.key, 4)
         q = apply(params, observe(lane.env))
@@ -256,93 +235,85 @@ def rollout(params, lane, args):
         action = jnp.where(explore, jax.random.randint(k_random, (), 0, NUM_ACTIONS), jnp.argmax(q))
         env, reward, done = step(lane.env, action, k_reset)
         ep_return, ep_length = lane.ep_return + reward, lane.ep_length + 1
-        out = Trajectory(q, action, reward, done, jnp.where(done, ep_return, 0.0), jnp.where(done, ep_length, 0))
-        return Lane(env, key, jnp.where(done, 0.0, ep_return), jnp.where(done, 0, ep_length)), out
+        out = Trajectory(q=q, action=action, reward=reward, done=done,
+                         ended_return=jnp.where(done, ep_return, 0.0), ended_length=jnp.where(done, ep_length, 0))
+        return Lane(env=env, key=key, ep_return=jnp.where(done, 0.0, ep_return),
+                    ep_length=jnp.where(done, 0, ep_length)), out
 
     lane, traj = jax.lax.scan(act_and_step, lane, length=args.num_steps)
     return lane, traj, apply(params, observe(lane.env))
 
 
 def lane_loss(params, lane, args):
-    """The minimal unit: one lane's rollout, scored with Q(lambda) (the paper's example)."""
+    """The paper's minimal unit: one lane's rollout scored with Q(lambda)."""
     lane, traj, q_last = rollout(params, lane, args)
     loss = q_lambda_loss(traj.q, q_last, traj.action, traj.reward, traj.done, args.gamma, args.q_lambda)
-    stats = Stats(Losses(loss, traj.q.mean()), traj.ended_return.sum(), traj.ended_length.sum(), traj.done.sum())
+    stats = Stats(td_loss=loss, q_values=traj.q.mean(), return_sum=traj.ended_return.sum(),
+                  length_sum=traj.ended_length.sum(), episodes=traj.done.sum())
     return loss, (lane, stats)
 
 
 def update(state, args):
-    """One update on one device: its lanes' rollouts, then gradients averaged everywhere."""
-    def device_loss(params):  # the lanes' mean loss: its gradient is the lanes' mean gradient
+    """One update on one device: its lanes' rollouts, then gradients averaged everywhere.
+
+    The paper vmaps the whole update with params broadcast to each lane and pmeans the per-lane
+    gradients. Every lane holds the same params, so that mean is the gradient of the lanes' mean
+    loss, taken once here: the same numbers without a copy of params and Adam state per lane."""
+    def device_loss(params):
         losses, aux = jax.vmap(lane_loss, (None, 0, None))(params, state.lanes, args)
         return losses.mean(), aux
 
     (_, (lanes, stats)), grads = jax.value_and_grad(device_loss, has_aux=True)(state.params)
-    # The paper vmaps the whole update with params broadcast to each lane and pmeans the
-    # per-lane gradients over the batch axis. Every lane holds the same parameters, so that
-    # mean is the gradient of the lanes' mean loss taken once here: the same numbers without
-    # a copy of params and Adam state per lane. Then average across devices (and hosts).
-    grads = jax.lax.pmean(grads, "devices")
+    grads = jax.lax.pmean(grads, "devices")  # across devices and hosts
     updates, opt_state = make_optimizer(args).update(grads, state.opt_state)
     params = optax.apply_updates(state.params, updates)
-    stats = Stats(jax.lax.pmean(jax.tree.map(jnp.mean, stats.losses), "devices"),
-                  *(jax.lax.psum(x.sum(), "devices") for x in stats[1:]))
-    return TrainState(params, opt_state, lanes), stats
+    mean = lambda x: jax.lax.pmean(x.mean(), "devices")
+    total = lambda x: jax.lax.psum(x.sum(), "devices")
+    stats = Stats(td_loss=mean(stats.td_loss), q_values=mean(stats.q_values), return_sum=total(stats.return_sum),
+                  length_sum=total(stats.length_sum), episodes=total(stats.episodes))
+    return TrainState(params=params, opt_state=opt_state, lanes=lanes), stats
 
 
 def metrics_row(stats, n, lr, sps):
-    """The metrics of one call, from its Stats summed over `n` updates."""
+    """From Stats summed over `n` updates."""
     stats = jax.tree.map(float, stats)
     row = {"charts/SPS": sps, "charts/learning_rate": lr,
-           **{f"losses/{name}": value / n for name, value in stats.losses._asdict().items()}}
-    if stats.episodes > 0:  # the episodes that ended during the call
+           "losses/td_loss": stats.td_loss / n, "losses/q_values": stats.q_values / n}
+    if stats.episodes > 0:
         row["charts/episodic_return"] = stats.return_sum / stats.episodes
         row["charts/episodic_length"] = stats.length_sum / stats.episodes
     return row
 
 
-# ---- The device mapping: loop updates, shard_map devices ----------------------------------
+# ---- The device mapping: a loop of updates, shard_map over devices -------------------------
 
-STATE_SPECS = TrainState(P(), P(), P("devices"))  # parameters replicated, lanes split
+STATE_SPECS = TrainState(params=P(), opt_state=P(), lanes=P("devices"))  # params replicated, lanes split
 
 
 def make_train(args, mesh):
-    """The compiled call: `n` updates on every device of `mesh`, and their Stats summed. The count
-    is traced (at most --log-every), so the last, shorter call compiles nothing more."""
+    """`n` updates on every device in one call; `n` is traced: a shorter last call compiles nothing."""
     def train(state, n):
         def one_update(_, carry):
             state, total = carry
             state, stats = update(state, args)
             return state, jax.tree.map(jnp.add, total, stats)
 
-        zeros = Stats(Losses(jnp.float32(0), jnp.float32(0)), jnp.float32(0), jnp.float32(0), jnp.float32(0))
+        zeros = Stats(**{name: jnp.float32(0) for name in Stats._fields})
         return jax.lax.fori_loop(0, n, one_update, (state, zeros))
 
-    # check_vma=False: parameters enter replicated (P()) and the body combines the devices' gradients
-    # itself (pmean or psum); with the check on, JAX would already have summed them across devices.
+    # check_vma=False: `update` pmeans the gradients of the replicated (P()) params; with the check on,
+    # JAX would already have summed them.
     sharded = jax.shard_map(train, mesh=mesh, in_specs=(STATE_SPECS, P()), out_specs=(STATE_SPECS, P()),
                             check_vma=False)
     return jax.jit(sharded, donate_argnums=0)
 
 
-def shardings(mesh):
-    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), STATE_SPECS)
-
-
 def init_on_mesh(args, mesh, num_envs):
-    """A compiled init of the TrainState, laid out on the mesh (each host makes its own shards), and
-    the shapes it returns (a checkpoint's template)."""
+    """A compiled init of the TrainState on the mesh, and its shapes."""
     key = jax.random.PRNGKey(args.seed)
-    init = jax.jit(partial(init_state, args=args, num_envs=num_envs), out_shardings=shardings(mesh))
+    shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), STATE_SPECS)
+    init = jax.jit(partial(init_state, args=args, num_envs=num_envs), out_shardings=shardings)
     return lambda: init(key), jax.eval_shape(init, key)
-
-
-def place(state, mesh):
-    """A host TrainState (NumPy leaves, every host's envs) onto the mesh, laid out as STATE_SPECS says."""
-    def put(sharding, part):
-        return jax.tree.map(lambda a: jax.make_array_from_callback(a.shape, sharding, lambda i: a[i]), part)
-
-    return jax.tree.map(put, shardings(mesh), state)
 
 
 def pick_devices(args):
@@ -356,7 +327,7 @@ def pick_devices(args):
 
 
 def initial_state(args, mesh, batch):
-    """What makes the TrainState on the mesh, fresh or --resume's, its shapes, and the update it starts after."""
+    """What makes the TrainState (fresh or --resume's), its shapes, the updates done."""
     if args.total_timesteps < batch:
         fail(f"--total-timesteps {args.total_timesteps:,} is less than one update: {batch:,} steps "
              f"(--num-steps {args.num_steps} x {args.num_envs_per_device} envs x {mesh.size} devices)")
@@ -365,11 +336,12 @@ def initial_state(args, mesh, batch):
         return init, shapes, 0
     template = {"state": shapes, "update": np.int64(0), "global_step": np.int64(0)}
     ckpt = load(args, template, batch, f"here {args.num_envs_per_device} envs on each of {mesh.size} devices")
-    return partial(place, ckpt["state"], mesh), shapes, int(ckpt["update"])
+    shardings = jax.tree.map(lambda like: like.sharding, shapes)
+    return partial(jax.device_put, ckpt["state"], shardings), shapes, int(ckpt["update"])
 
 
 def compile_train(args, mesh, shapes, run):
-    """make_train compiled ahead of time, so that SPS never includes compilation; refused if it cannot fit."""
+    """make_train compiled ahead: SPS never counts compiling; what cannot fit is refused (its run folder removed)."""
     tic = time.time()
     train = make_train(args, mesh).lower(shapes, np.int32(args.log_every)).compile()
     say(f"compiled in {time.time() - tic:.1f}s")
@@ -379,17 +351,17 @@ def compile_train(args, mesh, shapes, run):
     return train
 
 
-def checkpoint(args, run, state, update, batch):
-    """Every process takes part in gathering every host's lanes; process 0 saves them."""
+def checkpoint(args, run, state, updates_done, batch):
+    """All processes gather the lanes; process 0 saves."""
     host = multihost_utils.process_allgather(state, tiled=True)
-    save(run, {"state": host, "update": np.int64(update), "global_step": np.int64(update * batch)}, args)
+    save(run, {"state": host, "update": np.int64(updates_done), "global_step": np.int64(updates_done * batch)}, args)
 
 
 # ---- This script's flags ------------------------------------------------------------------
 
 def check_args(args):
     """Every flag, before anything is compiled."""
-    if args.env_id != "Catch":
+    if args.env_id != "Catch":  # the common flag; it also names the run folder
         close = difflib.get_close_matches(args.env_id, ["Catch"], n=1, cutoff=0.3)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         fail(f"--env-id {args.env_id!r} is not available{hint}; this file defines: 'Catch'")
@@ -398,35 +370,35 @@ def check_args(args):
     return args
 
 
-# ---- The run: compile the Anakin call once, call it, log --------------------------------------
+# ---- The run ------------------------------------------------------------------------------
 
 def main(args: Args) -> dict:
     caught = catch_stop_signals()
     args = check_args(args)
     start_distributed(args, caught)
     mesh = pick_devices(args)
-    batch = args.num_steps * args.num_envs_per_device * mesh.size
+    batch = args.num_steps * args.num_envs_per_device * mesh.size  # env steps per update
     num_updates = args.total_timesteps // batch
-    make_state, shapes, first = initial_state(args, mesh, batch)
+    make_state, shapes, updates_done = initial_state(args, mesh, batch)
     run = open_run(args)
     train = compile_train(args, mesh, shapes, run)
     state = make_state()
-    update, n, start, row = first, 0, time.time(), {}
-    while update < num_updates:
-        safe_point(caught, update, run, partial(checkpoint, args, run, state, update, batch),
-                   due=update % args.checkpoint_every < n)  # a multiple of --checkpoint-every was passed
-        n = min(args.log_every, num_updates - update)
+    start_update, start_time, n, row = updates_done, time.time(), 0, {}
+    while updates_done < num_updates:
+        # due: the last call's n updates passed a multiple of --checkpoint-every
+        due = updates_done // args.checkpoint_every > (updates_done - n) // args.checkpoint_every
+        safe_point(caught, updates_done, run, partial(checkpoint, args, run, state, updates_done, batch), due=due)
+        n = min(args.log_every, num_updates - updates_done)
         tic = time.time()
         state, stats = train(state, np.int32(n))
-        stats = jax.device_get(stats)  # sums over the call's n updates; waits for them
-        update += n
-        sps = n * batch / (time.time() - tic)
-        row = {"global_step": update * batch, "update": update,
-               **metrics_row(stats, n, args.learning_rate, sps)}  # a constant learning rate: no schedule
-        check_finite({name: value for name, value in row.items() if name.startswith("losses/")}, update, run)
-        eta = (time.time() - start) / (update - first) * (num_updates - update)
+        stats = jax.device_get(stats)  # waits for the call
+        updates_done += n
+        row = {"global_step": updates_done * batch, "update": updates_done,
+               **metrics_row(stats, n, args.learning_rate, sps=n * batch / (time.time() - tic))}
+        check_finite({name: value for name, value in row.items() if name.startswith("losses/")}, updates_done, run)
+        eta = (time.time() - start_time) / (updates_done - start_update) * (num_updates - updates_done)
         log(run, row, num_updates, num_updates * batch, eta)
-    safe_point(caught, update, run, partial(checkpoint, args, run, state, update, batch), due=True)
+    safe_point(caught, updates_done, run, partial(checkpoint, args, run, state, updates_done, batch), due=True)
     row["checksum"] = checksum(state.params)
     say(f"checksum {row['checksum']}")
     return row
