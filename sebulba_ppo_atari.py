@@ -48,9 +48,7 @@ from functools import cache, partial
 from pathlib import Path
 from typing import NamedTuple
 
-# From the script's first lines each stop signal only writes its number to STOP_PIPE (raised as a
-# KeyboardInterrupt while JAX starts, one could be swallowed and the run train on). `catch_stop_signals` acts.
-STOP_PIPE = os.pipe()
+STOP_PIPE = os.pipe()  # from now on a stop signal only writes its number here (catch_stop_signals reads it)
 if __name__ == "__main__":
     os.set_blocking(STOP_PIPE[1], False)
     signal.set_wakeup_fd(STOP_PIPE[1])
@@ -920,8 +918,8 @@ def check_flags(args, unit=(), positive=()):
             if not (math.isfinite(value) and value >= 0 and ok):
                 valid = "in [0, 1]" if name in unit else "above 0" if name in positive else "at least 0"
                 fail(f"--{name.replace('_', '-')} {value} must be a finite number {valid}")
-    if args.resume is not None and not Path(args.resume).is_file():
-        resume = Path(args.resume)
+    resume = Path(args.resume or "")
+    if args.resume is not None and not resume.is_file():
         what = "a folder" if resume.is_dir() else "not a file" if resume.exists() else "no such file"
         fail(f"--resume {args.resume!r}: {what}; it takes a run's checkpoint.npz")
 
@@ -930,9 +928,10 @@ def check_fits(num_bytes, what, devices=(), run=None):
     """Refuse, up front, what cannot fit: `num_bytes` on each of `devices` (CPU devices share the host's memory).
     A run folder made just before (`run`) is removed."""
     memory = (devices[0].memory_stats() or {}).get("bytes_limit") if devices else None
-    if memory is None:
-        memory, num_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), num_bytes * max(1, len(devices))
-    if num_bytes > memory and run is not None and run.folder is not None:
+    if memory is None:  # the host's memory, shared by all its devices
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        num_bytes *= max(1, len(devices))
+    if num_bytes > memory and run is not None and run.folder is not None:  # made just before: remove it
         run.events.close()
         shutil.rmtree(run.folder, ignore_errors=True)
     if num_bytes > memory:
@@ -947,29 +946,26 @@ def check_seed(seed, limit):
 
 
 def start_distributed(args, caught):
-    """With --distributed, join a multi-host run (if a process dies later, JAX's heartbeat ends the others).
-    JAX's join blocks and aborts when it times out, so it runs in a thread: the wait stays bounded and a stop
-    signal ends it. Then every process checks that all run the same code with the same flags."""
+    """With --distributed, join the other processes, then `agree`. JAX's join blocks, and aborts the process when
+    it times out: it runs in a thread, so that --peer-timeout bounds the wait and a stop signal ends it."""
     given = [n for n in ("coordinator_address", "num_processes", "process_id") if getattr(args, n) is not None]
     if given and not args.distributed:
-        given = ", ".join("--" + n.replace("_", "-") for n in given)
-        fail(f"{given} only apply to a multi-host run: add --distributed")
+        fail(f"{', '.join('--' + n.replace('_', '-') for n in given)} only apply to a multi-host run: "
+             "add --distributed")
     if not args.distributed:
         return
     jax.config.update("jax_enable_preemption_service", False)  # it would take SIGTERM from us
     address = args.coordinator_address
     if address and args.process_id == 0:  # JAX's server fails obscurely on a port in use
-        with socket.socket() as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                s.bind(("", int(address.rpartition(":")[2])))
-            except (OSError, ValueError, OverflowError) as e:
-                fail(f"--coordinator-address {address}: process 0 cannot listen there ({getattr(e, 'strerror', e)}:"
-                     " another process 0 or another program holds the port?)")
+        try:
+            socket.create_server(("", int(address.rpartition(":")[2]))).close()
+        except (OSError, ValueError, OverflowError) as e:
+            fail(f"--coordinator-address {address}: process 0 cannot listen there ({getattr(e, 'strerror', e)}:"
+                 " another process 0 or another program holds the port?)")
     errors = []
 
-    def join():
-        try:  # JAX's own timeout aborts the process: ours comes first
+    def join():  # with a timeout after ours: JAX's own aborts the process
+        try:
             jax.distributed.initialize(address, args.num_processes, args.process_id,
                                        initialization_timeout=args.peer_timeout + 60)
         except Exception as e:
@@ -988,8 +984,8 @@ def start_distributed(args, caught):
     if joining.is_alive() or errors:
         why = str(errors[0]).splitlines()[0] if errors else f"not all joined in --peer-timeout {args.peer_timeout} s"
         exit_now(2, None, f"error: --distributed: {why} (start every process with the same --coordinator-address and "
-                          "--num-processes and its own --process-id; outside a cluster JAX detects (SLURM, Cloud TPU, "
-                          "Kubernetes) give all three)")
+                          "--num-processes and its own --process-id, or all in a cluster JAX detects: SLURM, Cloud "
+                          "TPU, Kubernetes)")
     sys.excepthook = lost_peer
     agree(args)
 
@@ -998,25 +994,23 @@ def lost_peer(kind, error, trace):
     """A collective with a dead peer may raise: exit before JAX's heartbeat aborts the process from C++."""
     if not issubclass(kind, jax.errors.JaxRuntimeError):
         return sys.__excepthook__(kind, error, trace)
-    exit_now(1, RUN[-1] if RUN else None, f"error: a collective with the other processes failed (one died?): "
-                                         f"{str(error).splitlines()[0]}")
+    exit_now(1, RUN, f"error: a collective with the other processes failed (one died?): {str(error).splitlines()[0]}")
 
 
 def agree(args):
-    """Every process compares its script and the flags that define the run (all but the per-host ones) with
-    every other's: a difference is one line on each, exit status 2, before anything is compiled."""
+    """All processes run the same script with the same flags (but the per-host ones), or all say so and exit 2."""
     per_host = ("process_id", "coordinator_address", "run_dir", "exp_name", "peer_timeout")
     mine = {n: v for n, v in dataclasses.asdict(args).items() if n not in per_host}
     mine["script"] = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:12]
     text = np.frombuffer(json.dumps(mine).encode(), np.uint8)
     size = int(np.max(multihost_utils.process_allgather(np.int32(text.size))))
-    runs = [json.loads(bytes(t).rstrip(b"\0")) for t in multihost_utils.process_allgather(
-        np.pad(text, (0, size - text.size)))]
-    for i, theirs in enumerate(runs[1:], 1):
-        for name in [n for n in runs[0] if theirs.get(n) != runs[0][n]]:
+    texts = multihost_utils.process_allgather(np.pad(text, (0, size - text.size)))
+    process_0, *others = [json.loads(bytes(t).rstrip(b"\0")) for t in texts]
+    for i, theirs in enumerate(others, 1):
+        for name in [n for n in process_0 if theirs.get(n) != process_0[n]]:
             what = "a script whose sha256 starts" if name == "script" else f"--{name.replace('_', '-')}"
             exit_now(2, None, f"error: process {i} runs with {what} {json.dumps(theirs.get(name))}, process 0 with "
-                              f"{json.dumps(runs[0][name])}: every process needs the same")
+                              f"{json.dumps(process_0[name])}: every process needs the same")
 
 
 class Run(NamedTuple):
@@ -1025,11 +1019,16 @@ class Run(NamedTuple):
     checkpoint: Path | None
 
 
+RUN = None  # this process's Run, for `lost_peer`
+SAVING = []  # the temporary file `save` is writing, if any: a second stop signal removes it
+
+
 def open_run(args):
     """A new folder {run-dir}/{env}__{exp-name}__{seed}__{unix time}[_1, _2, ...], its name made flat."""
+    global RUN
     if jax.process_index() != 0:
-        RUN.append(Run(None, None, None))
-        return RUN[-1]
+        RUN = Run(None, None, None)
+        return RUN
     name = "__".join("".join(c if c.isalnum() or c in "-_.+" else "_" for c in str(s))
                      for s in (args.env_id, args.exp_name, args.seed))
     base = Path(args.run_dir) / f"{name}__{int(time.time())}"
@@ -1037,8 +1036,8 @@ def open_run(args):
         try:
             folder.mkdir(parents=True)
             (folder / "args.json").write_text(json.dumps(dataclasses.asdict(args), indent=2))
-            RUN.append(Run(folder, EventsWriter(str(folder / "events")), folder / "checkpoint.npz"))
-            return RUN[-1]
+            RUN = Run(folder, EventsWriter(str(folder / "events")), folder / "checkpoint.npz")
+            return RUN
         except FileExistsError:
             pass
         except OSError as e:
@@ -1046,13 +1045,10 @@ def open_run(args):
             fail(f"{blame}: cannot make the run folder {folder} ({e.strerror})")
 
 
-SAVING, RUN = [], []  # the temporary file `save` is writing, if any (a second stop signal removes it); the Run
-
-
 def catch_stop_signals():
-    """SIGINT (Ctrl-C), SIGTERM (SLURM, Kubernetes) and SIGHUP (a closed terminal) are only noted, as raising
-    inside JAX or envpool could hang; `safe_point` acts on them. A second signal exits at once. Python would run
-    handlers only once the main thread is back from XLA, and two as one: a thread reads each from STOP_PIPE."""
+    """SIGINT (Ctrl-C), SIGTERM (SLURM, Kubernetes) and SIGHUP (a closed terminal) are only noted, from before JAX
+    loads, as raising inside JAX or envpool could hang or be lost; `safe_point` acts on them, a second one exits at
+    once. A thread reads them from STOP_PIPE: Python runs handlers only when the main thread is back from XLA."""
     caught, stops = [], (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
     os.set_blocking(STOP_PIPE[1], False)
     signal.set_wakeup_fd(STOP_PIPE[1])  # as the first lines do, for a script loaded as a module
@@ -1061,7 +1057,7 @@ def catch_stop_signals():
 
     def listen():
         while signum := os.read(STOP_PIPE[0], 1)[0]:
-            if signum in stops and caught:
+            if signum in stops and caught:  # the second: exit now, leaving no temporary checkpoint file
                 for tmp in SAVING:
                     with contextlib.suppress(OSError):
                         tmp.unlink(missing_ok=True)
@@ -1077,8 +1073,7 @@ def catch_stop_signals():
 
 
 def safe_point(caught, update, run, checkpoint, due):
-    """Between updates and at the end: `checkpoint()` if `due`; then, on a signal caught by any process (in
-    that checkpoint too), checkpoint if not done and exit (all)."""
+    """Between updates: `checkpoint()` if `due`; on a stop signal caught by any process, all checkpoint and exit."""
     if due:
         checkpoint()
     signum = caught[0] if caught else 0
@@ -1091,44 +1086,45 @@ def safe_point(caught, update, run, checkpoint, due):
 
 
 def flat(tree):
+    """The arrays of `tree` named by their key paths, as a checkpoint holds them."""
     return {jax.tree_util.keystr(path, simple=True, separator="/"): leaf
             for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
 def save(run, tree, args):
     """Host arrays and the run's flags to a temporary file moved into place: never a torn checkpoint."""
-    if run.checkpoint is not None:
-        tmp = run.checkpoint.with_name("checkpoint.tmp.npz")
-        SAVING[:] = [tmp]
-        try:
-            np.savez(tmp, **flat(tree), args=json.dumps(dataclasses.asdict(args)))
-            os.replace(tmp, run.checkpoint)
-            SAVING.clear()
-        except OSError as e:
-            with contextlib.suppress(OSError):
-                tmp.unlink(missing_ok=True)
-            left = f"; {tmp.name} could not be removed: delete it" if tmp.exists() else ""
-            exit_now(1, run, f"error: cannot write {tmp} ({e.strerror or e}){left}")
+    if run.checkpoint is None:
+        return
+    tmp = run.checkpoint.with_name("checkpoint.tmp.npz")
+    SAVING[:] = [tmp]
+    try:
+        np.savez(tmp, **flat(tree), args=json.dumps(dataclasses.asdict(args)))
+        os.replace(tmp, run.checkpoint)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        left = f"; {tmp.name} could not be removed: delete it" if tmp.exists() else ""
+        exit_now(1, run, f"error: cannot write {tmp} ({e.strerror or e}){left}")
+    SAVING.clear()
 
 
 def load(args, template, batch, hint):
-    """The --resume checkpoint's arrays if its run had these flags, shapes (`hint`), steps per update and budget.
-    Arrays this run does not make are refused unread."""
-    names = {*flat(template), "args"}
+    """The --resume checkpoint's arrays, if its run had these flags, shapes (`hint`), steps per update and budget."""
+    resume, names = f"--resume {args.resume!r}", {*flat(template), "args"}
     try:
         with np.load(args.resume, allow_pickle=False) as f:
-            if unknown := sorted(set(f.files) - names):
-                fail(f"--resume {args.resume!r} does not match this run: it holds arrays this run does not make "
+            if unknown := sorted(set(f.files) - names):  # refused unread
+                fail(f"{resume} does not match this run: it holds arrays this run does not make "
                      f"({', '.join(unknown[:3])}{', ...' if len(unknown) > 3 else ''}; {hint})")
             arrays = {name: f[name] for name in names & set(f.files)}
     except Exception as e:  # empty, truncated, random bytes, pickled
-        fail(f"--resume {args.resume!r} is not a readable checkpoint ({type(e).__name__}: {str(e).splitlines()[0]})")
+        fail(f"{resume} is not a readable checkpoint ({type(e).__name__}: {str(e).splitlines()[0]})")
     try:
         saved = json.loads(str(arrays["args"]))
     except (KeyError, ValueError):
         saved = None
     if not isinstance(saved, dict):
-        fail(f"--resume {args.resume!r} does not match this run: it records no flags as a JSON object ({hint})")
+        fail(f"{resume} does not match this run: it records no flags as a JSON object ({hint})")
     hosts = saved.get("num_processes") if saved.get("distributed") else 1
     if isinstance(hosts, int) and hosts != jax.process_count():  # shapes and steps count every host's envs
         hint = f"its run had {hosts} processes, this one {jax.process_count()}; {hint}"
@@ -1136,29 +1132,28 @@ def load(args, template, batch, hint):
         got = arrays.get(name)
         if got is None or got.shape != like.shape or got.dtype != like.dtype:
             found = "missing" if got is None else f"{got.dtype}{list(got.shape)}"
-            fail(f"--resume {args.resume!r} does not match this run: {name} is {found}, expected {like.dtype}"
-                 f"{list(like.shape)} ({hint})")
+            fail(f"{resume} does not match this run: {name} is {found}, expected {like.dtype}{list(like.shape)} "
+                 f"({hint})")
     now = json.loads(json.dumps(dataclasses.asdict(args)))
     free = ("total_timesteps", "log_every", "checkpoint_every", "run_dir", "exp_name", "resume", "distributed",
             "coordinator_address", "num_processes", "process_id", "peer_timeout")
     for name in [n for n in now if n not in free and saved.get(n) != now[n]]:
-        fail(f"--resume {args.resume!r} comes from a run with --{name.replace('_', '-')} {json.dumps(saved.get(name))},"
-             f" not {json.dumps(now[name])} (a resumed run may change only the budget, logging, checkpoint and folder "
+        fail(f"{resume} comes from a run with --{name.replace('_', '-')} {json.dumps(saved.get(name))}, not "
+             f"{json.dumps(now[name])} (a resumed run may change only the budget, logging, checkpoint and folder "
              "flags)")
-    if arrays["update"] < 0:
-        fail(f"--resume {args.resume!r} is damaged: it holds update {int(arrays['update'])}")
-    if arrays["global_step"] != arrays["update"] * batch:
-        fail(f"--resume {args.resume!r} comes from a run whose updates were not of {batch:,} steps (another number "
-             "of hosts?)")
-    if arrays["update"] >= args.total_timesteps // batch:
-        fail(f"--resume {args.resume!r} is at update {int(arrays['update'])} of a --total-timesteps "
-             f"{args.total_timesteps:,} run: raise --total-timesteps to go on")
+    update = int(arrays["update"])
+    if update < 0:
+        fail(f"{resume} is damaged: it holds update {update}")
+    if arrays["global_step"] != update * batch:
+        fail(f"{resume} comes from a run whose updates were not of {batch:,} steps (another number of hosts?)")
+    if update >= args.total_timesteps // batch:
+        fail(f"{resume} is at update {update} of a --total-timesteps {args.total_timesteps:,} run: raise "
+             "--total-timesteps to go on")
     return jax.tree.unflatten(jax.tree.structure(template), [arrays[name] for name in flat(template)])
 
 
 def exit_now(code, run, line):
-    """Say `line` and what is on disk; exit at once (a normal exit could wait on envpool, XLA or a dead peer).
-    Without a run yet (`run` None), only the line."""
+    """Say `line` and the `run`'s last checkpoint; exit at once (a normal exit could wait on envpool, XLA, a peer)."""
     if run is not None and run.folder is None:
         line += "; process 0 holds the checkpoints"
     elif run is not None:
@@ -1167,8 +1162,6 @@ def exit_now(code, run, line):
                 line += f"; the checkpoint {run.checkpoint} holds update {int(f['update'])}: --resume it to go on"
         except OSError:
             line += f"; no checkpoint is in {run.folder}"
-        with contextlib.suppress(OSError):
-            run.events.close()
     with contextlib.suppress(OSError):  # a closed stdout or stderr
         print(line, file=sys.stdout if code >= 128 else sys.stderr, flush=True)
     os._exit(code)

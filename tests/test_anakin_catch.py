@@ -77,7 +77,8 @@ def test_paddle_is_clipped_at_the_walls():
 
 def test_network_is_the_colabs_one_hidden_layer_of_256_initialised_as_haiku_does():
     params = catch.init_params(jax.random.PRNGKey(0))
-    assert jax.tree.map(np.shape, params) == {"hidden": {"w": (50, 256), "b": (256,)}, "out": {"w": (256, 3), "b": (3,)}}
+    shapes = {"hidden": {"w": (50, 256), "b": (256,)}, "out": {"w": (256, 3), "b": (3,)}}
+    assert jax.tree.map(np.shape, params) == shapes
     for layer in params.values():  # hk.Linear: normal truncated at 2 std, std 1/sqrt(fan_in), zero bias
         w = np.asarray(layer["w"]) * np.sqrt(layer["w"].shape[0])
         assert np.abs(w).max() <= 2.0 and (np.asarray(layer["b"]) == 0).all()

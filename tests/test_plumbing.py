@@ -132,7 +132,8 @@ def test_an_unreadable_checkpoint_is_one_error_line(tmp_path, stopped_early, scr
 
 # The arrays of a small run's checkpoint, and what the error line says when one thing is wrong with them.
 DAMAGED = {
-    "an unknown array": ({"junk": np.zeros(4)}, "does not match this run: it holds arrays this run does not make (junk;"),
+    "an unknown array": ({"junk": np.zeros(4)},
+                         "does not match this run: it holds arrays this run does not make (junk;"),
     "a negative update": ({"update": np.int64(-5), "global_step": np.int64(-5 * 16)}, "is damaged: it holds update -5"),
     "flags as garbled JSON": ({"args": "{seed: 1"}, "it records no flags as a JSON object"),
     "flags as a list": ({"args": "[1, 2]"}, "it records no flags as a JSON object"),

@@ -194,7 +194,7 @@ def test_every_relative_link_and_picture_exists(doc):
         target = (path.parent / target).resolve() if target else path
         assert target.exists(), f"{doc}: {link}"
         if fragment:
-            headings = [anchor(l) for l in target.read_text().splitlines() if l.startswith("#")]
+            headings = [anchor(line) for line in target.read_text().splitlines() if line.startswith("#")]
             assert fragment in headings, f"{doc}: {link}"
 
 

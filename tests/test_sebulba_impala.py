@@ -498,7 +498,8 @@ def mismatched_checkpoint(tmp_path):
 ], ids=["unknown-env", "continuous-actions", "relative-module", "actions-from-1", "module-syntax-error",
         "module-raises", "machado-not-atari", "shallow-vectors", "shallow-10x10",
         "device-out-of-range", "device-reused",
-        "envs-not-divisible", "async-envs-odd", "budget-below-one-update", "missing-checkpoint", "mismatched-checkpoint"])
+        "envs-not-divisible", "async-envs-odd", "budget-below-one-update", "missing-checkpoint",
+        "mismatched-checkpoint"])
 def test_bad_input_is_one_error_line_naming_the_flag(tmp_path, envs_path, devices, flags, flag):
     flags = [f(tmp_path) if callable(f) else f for f in flags]
     line = error_line(run(SCRIPT, flags, tmp_path, devices=devices, timeout=120, env=envs_path))
