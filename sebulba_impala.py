@@ -42,6 +42,7 @@ import threading
 import time
 import traceback
 import warnings
+from collections import defaultdict
 from dataclasses import dataclass
 from functools import cache, partial
 from pathlib import Path
@@ -83,8 +84,6 @@ class Args:
 
     env_id: str = "Breakout-v5"
     """an envpool id (Atari `*-v5`, `CartPole-v1`, ...) or any gymnasium id (`module:Name-v0` imports `module` first)"""
-    exp_name: str = Path(__file__).stem
-    """experiment name, part of the run folder's name"""
     seed: int = 1
     """seeds parameters, environments and sampling"""
     total_timesteps: int | None = None
@@ -125,6 +124,9 @@ class Args:
     """updates between log lines and metrics rows (default: 10 images, 40 vectors)"""
     checkpoint_every: int = 100
     """updates between checkpoints (one is always written at the end)"""
+    # The run folder, resuming and a multi-host start: read by the plumbing appendix only.
+    exp_name: str = Path(__file__).stem
+    """experiment name, part of the run folder's name"""
     run_dir: str = "runs"
     """parent folder of run folders"""
     resume: str | None = None
@@ -141,11 +143,9 @@ class Args:
     """seconds to wait for every process of a multi-host run to join before giving up"""
 
 
-# Defaults that depend on the observations. Images: the IMPALA paper's Atari settings
-# (Espeholt et al. 2018, appendix G: batch 32 trajectories = 2 threads x 16 envs, unroll 20,
-# lr 6e-4, RMSProp eps 0.01). Vectors: CartPole's values grow to ~100 and RMSProp moves each
-# weight by about one step size per update, so the value head needs a large step size and
-# many small updates.
+# The defaults of the flags above that are None, by observations (check_args fills them in). Images: the IMPALA
+# paper's Atari settings (appendix G: 32 trajectories = 2 threads x 16 envs, unroll 20). Vectors: CartPole's values
+# grow to ~100 and RMSProp moves a weight about one step size per update: a large step size, many small updates.
 DEFAULTS = {
     "image": dict(total_timesteps=10_000_000, learning_rate=6e-4, num_steps=20, rmsprop_eps=0.01, network="deep",
                   log_every=10),
@@ -159,8 +159,7 @@ DEFAULTS = {
 def atari_kwargs(machado):
     """The IMPALA paper's protocol: a lost life ends a training episode, rewards clipped to their
     sign, 30 no-op starts (frame skip 4, 4-frame stack, 84x84 grey are envpool's defaults)."""
-    if machado:  # Machado et al. 2018: stochasticity from sticky actions instead of no-ops
-        # noop_max=1 means no no-op starts: envpool 1.2.5 crashes at reset with noop_max=0.
+    if machado:  # Machado et al. 2018: sticky actions instead of no-ops (noop_max=0 crashes envpool 1.2.5)
         return dict(episodic_life=False, reward_clip=True, noop_max=1,
                     repeat_action_probability=0.25, full_action_space=True)
     return dict(episodic_life=True, reward_clip=True, noop_max=30)
@@ -173,27 +172,36 @@ class EnvInfo(NamedTuple):
     atari: bool  # envpool Atari: the IMPALA paper's protocol; info["reward"] is the unclipped score
 
 
-@cache  # check_args calls it, then each actor thread's make_envs: one probe of the env per run
-def describe_env(env_id, machado):
-    """Find the id in envpool or gymnasium and check its spaces before any env is stepped."""
+def gym_name(env_id):
+    """The gymnasium name of `module:Name-v0` or `Name-v0`, its module imported; an unknown one fails."""
+    module, _, name = env_id.rpartition(":")
+    try:
+        importlib.import_module(module) if module else None
+    except Exception as err:  # not found, a relative name such as "../x", or the module's own error
+        fail(f"--env-id {env_id!r}: cannot import module {module!r} ({type(err).__name__}: {err})")
+    if name not in gym.registry:
+        close = difflib.get_close_matches(name, [*envpool.list_all_envs(), *gym.registry], n=3)
+        fail(f"--env-id {env_id!r}: unknown environment; close matches: {', '.join(close) or 'none'}")
+    return name
+
+
+def env_spaces(env_id, machado):
+    """(observation space, action space, source, atari) of an envpool id, else of a gymnasium one."""
     if env_id in envpool.list_all_envs():
         spec = envpool.make_spec(env_id)
         atari = hasattr(spec.config, "episodic_life")
         if atari:
             spec = envpool.make_spec(env_id, **atari_kwargs(machado))
-        obs_space, act_space, source = spec.observation_space, spec.action_space, "envpool"
-    else:
-        module, _, name = env_id.rpartition(":")
-        try:
-            importlib.import_module(module) if module else None
-        except Exception as err:  # not found, a relative name such as "../x", or the module's own error
-            fail(f"--env-id {env_id!r}: cannot import module {module!r} ({type(err).__name__}: {err})")
-        if name not in gym.registry:
-            close = difflib.get_close_matches(name, [*envpool.list_all_envs(), *gym.registry], n=3)
-            fail(f"--env-id {env_id!r}: unknown environment; close matches: {', '.join(close) or 'none'}")
-        probe = gym.make(name)  # gymnasium's spaces need an instance
-        obs_space, act_space, source, atari = probe.observation_space, probe.action_space, "gymnasium", False
-        probe.close()
+        return spec.observation_space, spec.action_space, "envpool", atari
+    probe = gym.make(gym_name(env_id))  # gymnasium's spaces need an instance
+    probe.close()
+    return probe.observation_space, probe.action_space, "gymnasium", False
+
+
+@cache  # check_args calls it, then each actor thread's make_envs: one probe of the env per run
+def describe_env(env_id, machado):
+    """The EnvInfo of an env this agent can play, checked before any env is stepped."""
+    obs_space, act_space, source, atari = env_spaces(env_id, machado)
     if machado and not atari:
         fail(f"--machado applies to Atari ids only, not {env_id!r}")
     if not isinstance(act_space, gym.spaces.Discrete) or act_space.start != 0:
@@ -216,21 +224,21 @@ class Step(NamedTuple):
 
 
 class Envs(NamedTuple):
-    """One actor thread's batch of envs."""
+    """One batch of envs, stepped together."""
     pool: object  # an envpool batch or a gymnasium vector env
-    env: EnvInfo
+    info: EnvInfo
     seed: int
 
 
 def make_envs(args, num_envs, seed):
-    env = describe_env(args.env_id, args.machado)
-    if env.source == "envpool":
-        kwargs = atari_kwargs(args.machado) if env.atari else {}
+    info = describe_env(args.env_id, args.machado)
+    if info.source == "envpool":
+        kwargs = atari_kwargs(args.machado) if info.atari else {}
         pool = envpool.make(args.env_id, env_type="gymnasium", num_envs=num_envs, seed=seed,
                             num_threads=min(num_envs, pool_threads(args)), **kwargs)
     else:  # gymnasium's vector envs autoreset on the next step by default, like envpool
         pool = gym.make_vec(args.env_id.rpartition(":")[2], num_envs=num_envs, vectorization_mode="sync")
-    return Envs(pool, env, seed)
+    return Envs(pool, info, seed)
 
 
 def env_groups(args):
@@ -245,37 +253,37 @@ def pool_threads(args):
     return max(1, len(os.sched_getaffinity(0)) // batches)
 
 
-def host_obs(obs, env):
+def host_obs(obs, info):
     """envpool's layout and no float64: gymnasium images [E, H, W, C] -> [E, C, H, W]."""
-    if env.source == "gymnasium" and obs.ndim == 4:
+    if info.source == "gymnasium" and obs.ndim == 4:
         obs = np.moveaxis(obs, -1, 1)
     return obs.astype(np.float32) if obs.dtype == np.float64 else obs
 
 
 def env_reset(envs):
     """The first observations [E, *obs_shape]."""
-    obs, _ = envs.pool.reset() if envs.env.source == "envpool" else envs.pool.reset(seed=envs.seed)
-    return host_obs(obs, envs.env)
+    obs, _ = envs.pool.reset() if envs.info.source == "envpool" else envs.pool.reset(seed=envs.seed)
+    return host_obs(obs, envs.info)
 
 
 def env_send(envs, actions):
     """Start the envs' step: envpool runs it in its own threads until env_step(..., sent=True) collects it."""
-    if envs.env.source == "envpool":
+    if envs.info.source == "envpool":
         envs.pool.send(actions)
 
 
 def env_step(envs, actions, sent=False):
     """The Step of `actions`: with `sent`, the one env_send started (gymnasium's steps only now)."""
-    if sent and envs.env.source == "envpool":
+    if sent and envs.info.source == "envpool":
         obs, reward, terminated, truncated, info = envs.pool.recv()
     else:
         obs, reward, terminated, truncated, info = envs.pool.step(actions)
-    if envs.env.atari:
+    if envs.info.atari:
         score, game_over = info["reward"], info["terminated"].astype(bool) | truncated  # the whole game's
     else:
         score, game_over = reward, terminated | truncated
-    return Step(host_obs(obs, envs.env), reward.astype(np.float32), terminated, terminated | truncated, score,
-                game_over)
+    return Step(obs=host_obs(obs, envs.info), reward=reward.astype(np.float32), terminated=terminated,
+                ended=terminated | truncated, score=score, game_over=game_over)
 
 
 # ---- The network: IMPALA paper figure 3 (without the LSTM) for images, an MLP for vectors -
@@ -293,9 +301,9 @@ def conv_init(key, c_in, c_out, size=3):
 
 
 def init_params(key, obs_shape, num_actions, network):
-    """{"torso": {network: its layers}, "policy": ..., "value": ...}: the torso is filed under its network's name."""
-    layers = {"deep": 5 * len(IMPALA_CHANNELS) + 1, "shallow": len(SHALLOW_CONVS) + 1, "mlp": 4}[network]
-    keys, torso = iter(jax.random.split(key, layers + 2)), {}  # one key per layer, the two heads included
+    """{"torso": the network's layers, "policy": ..., "value": ...}."""
+    # One key per layer in the order built (a split's i-th key is the same whatever the number asked).
+    keys, torso = iter(jax.random.split(key, 32)), {}
     if network == "mlp":
         for head in ("policy", "value"):  # two MLPs: a shared torso lets value errors swamp the policy
             torso[f"{head}0"] = dense_init(next(keys), obs_shape[0], 64, np.sqrt(2))
@@ -314,7 +322,7 @@ def init_params(key, obs_shape, num_actions, network):
                 torso[f"conv{i}"] = conv_init(next(keys), c_in, c, size)
                 c_in, h, w = c, (h - size) // stride + 1, (w - size) // stride + 1
         torso["dense"], hidden = dense_init(next(keys), h * w * c_in, 256, np.sqrt(2)), 256
-    return {"torso": {network: torso}, "policy": dense_init(next(keys), hidden, num_actions, 0.01),
+    return {"torso": torso, "policy": dense_init(next(keys), hidden, num_actions, 0.01),
             "value": dense_init(next(keys), hidden, 1, 1.0)}
 
 
@@ -359,11 +367,10 @@ def mlp_torso(p, obs):  # obs [N, D] -> [N, 64] policy features, [N, 64] value f
 TORSOS = {"deep": resnet_torso, "shallow": shallow_torso, "mlp": mlp_torso}
 
 
-def apply(params, obs):
+def apply(params, obs, network):
     """obs [..., *obs_shape] -> (policy logits [..., A], value [...])."""
-    (network, torso), = params["torso"].items()  # the one init_params built
     batch_shape = obs.shape[: obs.ndim - (1 if network == "mlp" else 3)]
-    policy_h, value_h = TORSOS[network](torso, obs.reshape(-1, *obs.shape[len(batch_shape):]))
+    policy_h, value_h = TORSOS[network](params["torso"], obs.reshape(-1, *obs.shape[len(batch_shape):]))
     logits, value = dense(params["policy"], policy_h), dense(params["value"], value_h)[:, 0]
     return logits.reshape(*batch_shape, -1), value.reshape(batch_shape)
 
@@ -420,7 +427,7 @@ def impala_loss(params, rollout, args):
     """Summed over this learner's valid steps, not averaged: the IMPALA paper's loss is a sum over
     time and batch, and under RMSProp with epsilon 0.01 its scale matters (a mean's gradients
     are T x E times smaller, so epsilon swamps them). The learners' sums are added up."""
-    logits, values = apply(params, rollout.obs)  # [T+1, E, A], [T+1, E]
+    logits, values = apply(params, rollout.obs, args.network)  # [T+1, E, A], [T+1, E]
     logp_taken = log_prob(logits[:-1], rollout.actions)
     rhos = jnp.exp(logp_taken - log_prob(rollout.logits, rollout.actions))  # pi / mu, the lag's importance weights
     discounts = args.gamma * (1.0 - rollout.terminated)
@@ -429,22 +436,22 @@ def impala_loss(params, rollout, args):
     value_loss = 0.5 * jnp.sum(rollout.valid * (targets.vs - values[:-1]) ** 2)
     entropy_sum = jnp.sum(rollout.valid * entropy(logits[:-1]))
     loss = policy_loss + args.vf_coef * value_loss - args.ent_coef * entropy_sum
-    return loss, Losses(loss, policy_loss, value_loss, entropy_sum)
+    return loss, Losses(loss=loss, policy_loss=policy_loss, value_loss=value_loss, entropy=entropy_sum)
 
 
 # ---- Acting (actor devices): Python threads step the envs and run the policy ---------------
 
-@jax.jit
-def act(params, obs, key):
+@partial(jax.jit, static_argnums=3)
+def act(params, obs, key, network):
     """Sample actions on the actor device; return them with what the learner needs of them."""
     key, sub = jax.random.split(key)
-    logits, _ = apply(params, obs)
+    logits, _ = apply(params, obs, network)
     actions = jax.random.categorical(sub, logits)
     return actions, logits, key
 
 
 class Rollout(NamedTuple):
-    """One actor thread's `--num-steps` transitions; split along E onto the learners."""
+    """One actor thread's `--num-steps` transitions (while collect gathers them, one step's: no T)."""
     obs: np.ndarray  # [T + 1, E, *obs_shape] x_0..x_T; x_T bootstraps and starts the next rollout
     actions: np.ndarray  # [T, E]
     logits: np.ndarray  # [T, E, A] of the behaviour policy mu (the actor's parameters)
@@ -462,63 +469,61 @@ class ActorState(NamedTuple):
     game_length: np.ndarray  # [E] agent steps of the game in progress
 
 
-class ActorStats(NamedTuple):
-    returns: list  # whole games that ended during the rollout
+class Games(NamedTuple):
+    returns: list  # of the whole games that ended during a rollout
     lengths: list
-    inference_time: float  # seconds per rollout in the policy, fetching its actions included
-    env_step_time: float  # seconds per rollout waiting for the envs' steps
-    rollout_time: float = 0.0  # seconds per rollout in all
-    lag: int = 0  # updates between the acting parameters and the learner's
-    actor_params_wait: float = 0.0  # seconds waiting for parameters recent enough
-    actor_queue_wait: float = 0.0  # seconds the previous rollout waited for room in the queue
 
 
-def collect(groups, params, states, num_steps):
-    """Step each group of envs `num_steps` times with the policy, the groups taking turns: envpool steps one
+def track_games(state, step, games):
+    """The ActorState after `step`; the games it ended are added to `games`."""
+    # The reset step after an episode's end (a life lost included) ignores the action: it is no step of a game.
+    played = ~state.ended
+    game_return, game_length = state.game_return + step.score, state.game_length + played
+    games.returns.extend(game_return[step.game_over].tolist())
+    games.lengths.extend(game_length[step.game_over].tolist())
+    over = step.game_over
+    return ActorState(obs=step.obs, key=state.key, ended=step.ended,
+                      game_return=np.where(over, 0.0, game_return), game_length=np.where(over, 0, game_length))
+
+
+def collect(args, groups, params, states, seconds):
+    """Step each group of envs --num-steps times with the policy, the groups taking turns: envpool steps one
     group in its threads while the policy acts for the next. Only the actions leave the actor device each step.
-    Returns the Rollout (the groups' envs side by side), the groups' next ActorStates and ActorStats."""
-    steps, taken, states = [[] for _ in groups], [None] * len(groups), list(states)
-    returns, lengths, inference_s, env_s = [], [], 0.0, 0.0
-    for t in range(num_steps + 1):
-        for g, (envs, state) in enumerate(zip(groups, states)):
+    Returns the Rollout (the groups' envs side by side), the groups' next ActorStates and the Games that ended."""
+    steps, sent, states, games = [[] for _ in groups], [None] * len(groups), list(states), Games([], [])
+    for t in range(args.num_steps + 1):
+        for g, envs in enumerate(groups):
             if t > 0:  # the step this group sent at t - 1
-                obs, actions, logits = taken[g]
-                t0 = time.perf_counter()
-                step = env_step(envs, actions, sent=True)
-                env_s += time.perf_counter() - t0
-                steps[g].append(Rollout(obs, actions, logits, step.reward, step.terminated, ~state.ended))
-                # A reset step (after any episode end, a life lost included) ignores the action: no step of a game.
-                game_return, game_length = state.game_return + step.score, state.game_length + ~state.ended
-                returns += game_return[step.game_over].tolist()
-                lengths += game_length[step.game_over].tolist()
-                state = ActorState(step.obs, state.key, step.ended, np.where(step.game_over, 0.0, game_return),
-                                   np.where(step.game_over, 0, game_length))
-            if t < num_steps:
-                t0 = time.perf_counter()
-                actions, logits, key = act(params, state.obs, state.key)
-                actions = np.asarray(actions)
-                inference_s += time.perf_counter() - t0
+                obs, actions, logits = sent[g]
+                with timer(seconds, "env_step_time"):
+                    step = env_step(envs, actions, sent=True)
+                steps[g].append(Rollout(obs=obs, actions=actions, logits=logits, rewards=step.reward,
+                                        terminated=step.terminated, valid=~states[g].ended))
+                states[g] = track_games(states[g], step, games)
+            if t < args.num_steps:
+                with timer(seconds, "inference_time"):  # fetching the actions included
+                    actions, logits, key = act(params, states[g].obs, states[g].key, args.network)
+                    actions = np.asarray(actions)
                 env_send(envs, actions)
-                taken[g], state = (state.obs, actions, logits), state._replace(key=key)
-            states[g] = state
+                sent[g], states[g] = (states[g].obs, actions, logits), states[g]._replace(key=key)
     # What stayed on the actor device comes to the host in one go, then the groups go side by side: [T, E, ...]
     rollout = jax.tree.map(lambda *x: np.concatenate(x, axis=1), *[
         jax.tree.map(lambda *x: np.stack(jax.device_get(x)), *group_steps) for group_steps in steps])
     rollout = rollout._replace(obs=np.concatenate([rollout.obs, np.concatenate([s.obs for s in states])[None]]),
                                **{f: getattr(rollout, f).astype(np.float32) for f in ("terminated", "valid")})
-    return rollout, states, ActorStats(returns, lengths, inference_s, env_s)
+    return rollout, states, games
 
 
-def start_groups(args, index, device, first):
+def start_groups(args, index, device, start_update):
     """Actor thread `index`'s groups of envs (one; two with --async-envs) and their first ActorStates."""
     n = args.local_num_envs // env_groups(args)
     groups, states = [], []
     for i in range(index * env_groups(args), (index + 1) * env_groups(args)):  # envs seed + i * n ...
         groups.append(make_envs(args, n, args.seed + i * n))
         # Each group samples actions from its own stream, and a resumed run from new ones.
-        key = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(args.seed), first), 1 + i)
-        states.append(ActorState(env_reset(groups[-1]), jax.device_put(key, device), np.zeros(n, bool), np.zeros(n),
-                                 np.zeros(n, int)))
+        key = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(args.seed), start_update), 1 + i)
+        states.append(ActorState(obs=env_reset(groups[-1]), key=jax.device_put(key, device), ended=np.zeros(n, bool),
+                                 game_return=np.zeros(n), game_length=np.zeros(n, int)))
     return groups, states
 
 
@@ -557,35 +562,55 @@ class ParamStore:
             return self.version, self.params
 
 
-def actor_loop(stop, args, index, device, learner_devices, store, out, first, num_updates):
-    """One actor thread (paper section 4): act on `device`, ship each rollout to the learners."""
-    groups, states = start_groups(args, index, device, first)
-    put_s = 0.0  # a rollout's queue wait is known only after it is sent: reported with the next
-    for u in range(first, num_updates):  # rollout u feeds update u + 1
-        start = time.perf_counter()
+class Actor(NamedTuple):
+    """What one actor thread works with."""
+    index: int  # among all threads of all hosts: its envs' seeds and its action streams
+    device: jax.Device
+    learner_devices: list  # this host's, each taking its share of the envs
+    store: ParamStore
+    out: queue.Queue  # bounded: (rollout parts, ActorStats) for the learner
+    stop: threading.Event  # set at the end, or by a failing actor thread
+    errors: list  # a failing thread's traceback, for main to print
+    start_update: int  # the update this run starts after (a resumed checkpoint's)
+    num_updates: int
+
+
+class ActorStats(NamedTuple):
+    """What an actor thread reports with each rollout."""
+    games: Games
+    lag: int  # updates between the acting parameters and the learner's
+    seconds: dict  # per rollout: rollout_time, inference_time, env_step_time, actor_params_wait, actor_queue_wait
+
+
+def actor_loop(args, actor):
+    """One actor thread (paper section 4): act on its device, ship each rollout to the learners."""
+    groups, states = start_groups(args, actor.index, actor.device, actor.start_update)
+    queue_wait = 0.0  # a rollout's wait for room in the queue is reported with the next one
+    for u in range(actor.start_update, actor.num_updates):  # rollout u feeds update u + 1
+        seconds = defaultdict(float, actor_queue_wait=queue_wait)
         # Rollout u is collected while the learner works on rollout u - 1, so it may act with
         # parameters version u - 1 (lag 1), which V-trace's importance weights correct for.
-        version, params = store.wait(u - 1, stop)
-        waited = time.perf_counter() - start
-        rollout, states, stats = collect(groups, params[device], states, args.num_steps)
-        splits = [np.split(x, len(learner_devices), axis=1) for x in rollout]  # each learner's envs
-        parts = [jax.device_put(Rollout(*(s[i] for s in splits)), d) for i, d in enumerate(learner_devices)]
-        stats = stats._replace(rollout_time=time.perf_counter() - start - waited, lag=u - version,
-                               actor_params_wait=waited, actor_queue_wait=put_s)
+        with timer(seconds, "actor_params_wait"):
+            version, params = actor.store.wait(u - 1, actor.stop)
+        with timer(seconds, "rollout_time"):
+            rollout, states, games = collect(args, groups, params[actor.device], states, seconds)
+            n = len(actor.learner_devices)  # each learner device takes its share of the envs
+            parts = [jax.device_put(jax.tree.map(lambda x: np.split(x, n, axis=1)[i], rollout), d)
+                     for i, d in enumerate(actor.learner_devices)]
         start = time.perf_counter()
-        until_stopped(out.put, stop.is_set, (parts, stats))
-        put_s = time.perf_counter() - start
+        until_stopped(actor.out.put, actor.stop.is_set, (parts, ActorStats(games, u - version, seconds)))
+        queue_wait = time.perf_counter() - start
 
 
-def actor_thread(stop, errors, *args):
+def actor_thread(args, actor):
     """An actor thread's body: a failure keeps its traceback for the learner to print and stops the run."""
     try:
-        actor_loop(stop, *args)
+        actor_loop(args, actor)
     except Stopped:
         pass
     except BaseException:
-        errors.append(f"in thread {threading.current_thread().name}:\n{traceback.format_exc()}")
-        stop.set()
+        actor.errors.append(f"in thread {threading.current_thread().name}:\n{traceback.format_exc()}")
+        actor.stop.set()
 
 
 # ---- Learning (learner devices): one IMPALA update in one compiled call ---------------------
@@ -609,9 +634,9 @@ def make_optimizer(args, num_updates):
                        optax.rmsprop(lr, decay=0.99, eps=args.rmsprop_eps, eps_in_sqrt=False))
 
 
-def init_state(key, args, env, num_updates):
-    params = init_params(key, env.obs_shape, env.num_actions, args.network)
-    return TrainState(params, make_optimizer(args, num_updates).init(params))
+def init_state(key, args, env_info, num_updates):
+    params = init_params(key, env_info.obs_shape, env_info.num_actions, args.network)
+    return TrainState(params=params, opt_state=make_optimizer(args, num_updates).init(params))
 
 
 def learner_update(state, rollout, args, optimizer):
@@ -621,7 +646,7 @@ def learner_update(state, rollout, args, optimizer):
     grads, losses, num_valid = jax.lax.psum((grads, losses, rollout.valid.sum()), "devices")
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     losses = jax.tree.map(lambda x: x / jnp.maximum(num_valid, 1.0), losses)
-    return TrainState(optax.apply_updates(state.params, updates), opt_state), losses
+    return TrainState(params=optax.apply_updates(state.params, updates), opt_state=opt_state), losses
 
 
 def make_update(args, mesh, num_updates):
@@ -658,20 +683,22 @@ def pick_devices(args):
     mesh = Mesh(np.array([host[i] for host in hosts for i in learners]), ("devices",))
     mine = hosts[jax.process_index()]
     num_envs = jax.process_count() * len(actors) * args.num_actor_threads * args.local_num_envs
-    return Layout([mine[i] for i in actors], [mine[i] for i in learners], mesh, num_envs)
+    return Layout(actor_devices=[mine[i] for i in actors], learner_devices=[mine[i] for i in learners], mesh=mesh,
+                  num_envs=num_envs)
 
 
-def start_actors(args, layout, store, stop, errors, first_update, num_updates):
+def start_actors(args, layout, store, stop, errors, start_update, num_updates):
     """This host's actor threads, each with its own bounded queue (read by the learner in a fixed order)."""
-    queues = [queue.Queue(maxsize=1) for _ in range(len(layout.actor_devices) * args.num_actor_threads)]
     devices = [d for d in layout.actor_devices for _ in range(args.num_actor_threads)]
-    first = jax.process_index() * len(queues)  # global thread indices: env seeds differ across hosts
-    threads = [threading.Thread(target=actor_thread, name=f"actor{first + i}", daemon=True, args=(
-        stop, errors, args, first + i, device, layout.learner_devices, store, q, first_update, num_updates))
-        for i, (device, q) in enumerate(zip(devices, queues))]
+    offset = jax.process_index() * len(devices)  # global thread indices: env seeds differ across hosts
+    actors = [Actor(index=offset + i, device=device, learner_devices=layout.learner_devices, store=store,
+                    out=queue.Queue(maxsize=1), stop=stop, errors=errors, start_update=start_update,
+                    num_updates=num_updates) for i, device in enumerate(devices)]
+    threads = [threading.Thread(target=actor_thread, args=(args, actor), name=f"actor{actor.index}", daemon=True)
+               for actor in actors]
     for t in threads:
         t.start()
-    return queues, threads
+    return [actor.out for actor in actors], threads
 
 
 def assemble(parts, layout):
@@ -701,13 +728,13 @@ def to_actors(params, layout):
 class Loop(NamedTuple):
     """What the learner loop works with besides its state."""
     layout: Layout
-    update: object  # the compiled learner update
+    update_fn: object  # the compiled learner update
     queues: list  # one bounded queue per local actor thread
     store: ParamStore
     stop: threading.Event  # set by a failing actor thread, and at the end
     caught: list  # stop signals caught (catch_stop_signals)
     run: "Run"  # the run folder (plumbing)
-    first: int  # the update this run starts after (a resumed checkpoint's)
+    start_update: int  # the update this run starts after (a resumed checkpoint's)
     num_updates: int  # the update it ends with
     batch: int  # steps per update
     start: float  # time.perf_counter() at the start
@@ -724,65 +751,27 @@ def receive(loop):
 
 
 def learn(args, loop, state):
-    """Update u learns from rollout u - 1 and publishes parameters version u to the actors.
-    Returns the state and the last metrics row."""
-    window, row, first = new_window(), {}, loop.first
-    for update in range(first + 1, loop.num_updates + 1):
-        with timer(window.learner_queue_wait):
-            rollouts = receive(loop)
-        safe_point(loop.caught, update - 1, loop.run, partial(checkpoint, args, loop, state, update - 1),
-                   due=update - 1 > first and (update - 1) % args.checkpoint_every == 0)
-        with timer(window.learner_time):
-            state, losses = loop.update(state, assemble([parts for parts, _ in rollouts], loop.layout))
+    """Receive the rollouts, update, publish the parameters, report: update u learns from rollouts collected
+    with parameters version u - 1 or u - 2. Returns the state and the last metrics row."""
+    window, row = Window(time.perf_counter(), [], [], []), {}
+    for update in range(loop.start_update + 1, loop.num_updates + 1):
+        seconds = defaultdict(float)
+        with timer(seconds, "learner_queue_wait"):
+            received = receive(loop)
+        done = update - 1  # between updates, the safe point: a checkpoint when due; on a stop signal, exit
+        safe_point(loop.caught, done, loop.run, partial(checkpoint, args, loop, state, done),
+                   due=done > loop.start_update and done % args.checkpoint_every == 0)
+        with timer(seconds, "learner_time"):
+            state, losses = loop.update_fn(state, assemble([parts for parts, _ in received], loop.layout))
             loop.store.publish(update, to_actors(state.params, loop.layout))
             losses = jax.device_get(local(losses))
         check_finite(losses._asdict(), update, loop.run)
         window.losses.append(losses)
-        window.actors.extend(stats for _, stats in rollouts)
-        if update % args.log_every == 0 or update in (first + 1, loop.num_updates):
-            row, window = report(args, loop, window, update), new_window()
+        window.learner.append(seconds)
+        window.actors.extend(stats for _, stats in received)
+        if update % args.log_every == 0 or update in (loop.start_update + 1, loop.num_updates):
+            row, window = report(args, loop, window, update), Window(time.perf_counter(), [], [], [])
     return state, row
-
-
-class Window(NamedTuple):
-    """What the learner saw since the last log line."""
-    start: float
-    actors: list  # ActorStats of every rollout
-    losses: list  # Losses of every update
-    learner_queue_wait: list  # seconds waiting for each update's rollouts
-    learner_time: list  # seconds per update, publishing the parameters included
-
-
-def new_window():
-    return Window(time.perf_counter(), [], [], [], [])
-
-
-@contextlib.contextmanager
-def timer(seconds):
-    """Append the seconds the `with` block takes to the list `seconds`."""
-    start = time.perf_counter()
-    yield
-    seconds.append(time.perf_counter() - start)
-
-
-def report(args, loop, window, update):
-    """Log a metrics row (CleanRL's names) for the window; returns it."""
-    mean = lambda xs: float(np.mean(xs))
-    stats, last = window.actors, loop.num_updates
-    row = {"global_step": update * loop.batch, "update": update,
-           "charts/SPS": len(window.learner_time) * loop.batch / (time.perf_counter() - window.start),
-           "charts/learning_rate": learning_rate(args, last, update - 1),  # the last update's
-           "stats/param_lag": max(s.lag for s in stats),
-           **{f"losses/{k}": mean(v) for k, v in zip(Losses._fields, zip(*window.losses))},
-           **{f"stats/{k}": mean([getattr(s, k) for s in stats])
-              for k in ("rollout_time", "inference_time", "env_step_time", "actor_params_wait", "actor_queue_wait")},
-           **{f"stats/{k}": mean(getattr(window, k)) for k in ("learner_queue_wait", "learner_time")}}
-    if returns := [r for s in stats for r in s.returns]:
-        row["charts/episodic_return"] = mean(returns)
-        row["charts/episodic_length"] = mean([n for s in stats for n in s.lengths])
-    eta = (time.perf_counter() - loop.start) / (update - loop.first) * (last - update)
-    log(loop.run, row, last, last * loop.batch, eta)
-    return row
 
 
 def checkpoint(args, loop, state, update):
@@ -792,9 +781,9 @@ def checkpoint(args, loop, state, update):
                         "global_step": np.int64(update * loop.batch)}, args)
 
 
-def initial_state(args, env, layout, batch):
+def initial_state(args, env_info, layout, batch):
     """The TrainState on every learner device of every host, fresh or --resume's, and the update it starts after."""
-    init = partial(init_state, jax.random.PRNGKey(args.seed), args, env, args.total_timesteps // batch)
+    init = partial(init_state, jax.random.PRNGKey(args.seed), args, env_info, args.total_timesteps // batch)
     template = {"state": jax.eval_shape(init), "update": np.int64(0), "global_step": np.int64(0)}
     ckpt = load(args, template, batch, "a checkpoint of sebulba_impala.py?") if args.resume else None
     replicated = NamedSharding(layout.mesh, P())
@@ -803,26 +792,63 @@ def initial_state(args, env, layout, batch):
     return state, int(ckpt["update"]) if ckpt else 0
 
 
+# ---- The metrics: CleanRL's names and Cleanba's timing scalars -----------------------------
+
+class Window(NamedTuple):
+    """What the learner saw since the last metrics row."""
+    start: float  # time.perf_counter()
+    actors: list  # ActorStats of every rollout
+    losses: list  # Losses of every update
+    learner: list  # seconds of every update: learner_queue_wait, learner_time (publishing included)
+
+
+@contextlib.contextmanager
+def timer(seconds, name):
+    """Add the seconds the `with` block takes to seconds[name]."""
+    start = time.perf_counter()
+    yield
+    seconds[name] += time.perf_counter() - start
+
+
+def report(args, loop, window, update):
+    """Log the window's metrics row (means over its updates, rollouts and games); returns it."""
+    mean = lambda xs: float(np.mean(xs))
+    row = {"global_step": update * loop.batch, "update": update,
+           "charts/SPS": len(window.losses) * loop.batch / (time.perf_counter() - window.start),
+           "charts/learning_rate": learning_rate(args, loop.num_updates, update - 1),  # the last update's
+           "stats/param_lag": max(s.lag for s in window.actors),
+           **{f"losses/{k}": mean(v) for k, v in zip(Losses._fields, zip(*window.losses))},
+           **{f"stats/{k}": mean([s.seconds[k] for s in window.actors]) for k in window.actors[0].seconds},
+           **{f"stats/{k}": mean([seconds[k] for seconds in window.learner]) for k in window.learner[0]}}
+    if returns := [r for s in window.actors for r in s.games.returns]:
+        row["charts/episodic_return"] = mean(returns)
+        row["charts/episodic_length"] = mean([n for s in window.actors for n in s.games.lengths])
+    eta = (time.perf_counter() - loop.start) / (update - loop.start_update) * (loop.num_updates - update)
+    log(loop.run, row, loop.num_updates, loop.num_updates * loop.batch, eta)
+    return row
+
+
 # ---- This script's flags ------------------------------------------------------------------
 
 def check_args(args):
     """Flag checks, before any env is stepped; returns the args and the env's EnvInfo."""
-    env = describe_env(args.env_id, args.machado)
-    if args.network is None and len(env.obs_shape) == 3 and not args.distributed and jax.default_backend() == "cpu":
+    env_info = describe_env(args.env_id, args.machado)
+    image = len(env_info.obs_shape) == 3
+    if args.network is None and image and not args.distributed and jax.default_backend() == "cpu":
         say("note: on CPUs --network shallow runs ~16x faster than the default deep ResNet, which needs far fewer "
             "steps on Pong (README.md: Speed, IMPALA's RMSProp and network)")
-    family = DEFAULTS["image" if len(env.obs_shape) == 3 else "vector"]
+    family = DEFAULTS["image" if image else "vector"]
     args = dataclasses.replace(args, **{k: v for k, v in family.items() if getattr(args, k) is None})
     check_flags(args, unit=("gamma", "vtrace_lambda"), positive=("learning_rate", "rmsprop_eps"))
-    if (args.network == "mlp") != (len(env.obs_shape) == 1):
-        fail(f"--network {args.network} does not fit observations of shape {env.obs_shape} (vectors take mlp, "
+    if (args.network == "mlp") == image:
+        fail(f"--network {args.network} does not fit observations of shape {env_info.obs_shape} (vectors take mlp, "
              "images deep or shallow)")
-    if args.network == "shallow" and min(env.obs_shape[1:]) < 20:
-        fail(f"--network shallow takes images of at least 20x20, not observations of shape {env.obs_shape}")
-    return args, env
+    if args.network == "shallow" and min(env_info.obs_shape[1:]) < 20:
+        fail(f"--network shallow takes images of at least 20x20, not observations of shape {env_info.obs_shape}")
+    return args, env_info
 
 
-def check_sizes(args, layout, env):
+def check_sizes(args, layout, env_info):
     """Counts that must divide or fit; returns the steps of one update."""
     n_learners = len(layout.learner_devices)
     if args.local_num_envs % n_learners:
@@ -832,7 +858,7 @@ def check_sizes(args, layout, env):
     check_seed(args.seed, 2**31 - layout.num_envs + 1)  # env i of the run is seeded with seed + i
     # Each actor thread holds a rollout it collects, one in its queue and one being learned from.
     threads = len(layout.actor_devices) * args.num_actor_threads
-    obs_bytes = np.prod(env.obs_shape) * (1 if env.atari else 4)  # uint8 frames, else floats
+    obs_bytes = np.prod(env_info.obs_shape) * (1 if env_info.atari else 4)  # uint8 frames, else floats
     check_fits(3 * threads * (args.num_steps + 1) * args.local_num_envs * obs_bytes,
                f"the rollouts of {threads} actor threads x --local-num-envs {args.local_num_envs}")
     batch = args.num_steps * layout.num_envs
@@ -846,22 +872,23 @@ def check_sizes(args, layout, env):
 
 def main(args):
     caught = catch_stop_signals()
-    args, env = check_args(args)
+    args, env_info = check_args(args)
     start_distributed(args, caught)
     layout = pick_devices(args)
-    batch = check_sizes(args, layout, env)
+    batch = check_sizes(args, layout, env_info)
     num_updates = args.total_timesteps // batch
-    state, first = initial_state(args, env, layout, batch)
+    state, start_update = initial_state(args, env_info, layout, batch)
     run = open_run(args)
     stop, store, errors = threading.Event(), ParamStore(), []
-    store.publish(first, to_actors(state.params, layout))
-    queues, threads = start_actors(args, layout, store, stop, errors, first, num_updates)
-    say(f"{args.env_id}: {num_updates - first} updates of {batch:,} steps; actor devices "
+    store.publish(start_update, to_actors(state.params, layout))
+    queues, threads = start_actors(args, layout, store, stop, errors, start_update, num_updates)
+    say(f"{args.env_id}: {num_updates - start_update} updates of {batch:,} steps; actor devices "
         f"{[d.id for d in layout.actor_devices]} x {args.num_actor_threads} threads x {args.local_num_envs} envs; "
         f"learner devices {[d.id for d in layout.learner_devices]} ({layout.mesh.size} on {jax.process_count()} "
         "host(s))")
-    loop = Loop(layout, make_update(args, layout.mesh, num_updates), queues, store, stop, caught, run, first,
-                num_updates, batch, time.perf_counter())
+    loop = Loop(layout=layout, update_fn=make_update(args, layout.mesh, num_updates), queues=queues, store=store,
+                stop=stop, caught=caught, run=run, start_update=start_update, num_updates=num_updates, batch=batch,
+                start=time.perf_counter())
     try:
         state, row = learn(args, loop, state)
     except Stopped:  # an actor thread failed: its traceback, then exit status 1
