@@ -77,70 +77,40 @@ warnings.filterwarnings("ignore", message=".*precision lowered.*")
 
 @dataclass
 class Args:
-    """A host with N CPU cores and one GPU: the defaults act and learn on the GPU and share the N cores out
-    among envpool's threads; more envs per policy call fill the GPU better: try 2-4 actor threads x 32-64 envs,
-    with --async-envs (a larger batch also changes what each update learns from). The GPU check measures such
-    a grid on the machine: `python tests/benchmark.py --gpu-check` (tests/figures/README.md)."""
+    """A host with N CPU cores and one GPU: the defaults act and learn on the GPU, envpool's threads share the cores.
+    More envs per policy call fill the GPU: try 2-4 actor threads x 32-64 envs with --async-envs (a larger batch also
+    changes what an update learns from); `python tests/benchmark.py --gpu-check` measures such a grid."""
 
-    env_id: str = "Breakout-v5"
-    """an envpool id (Atari `*-v5`, `CartPole-v1`, ...) or any gymnasium id (`module:Name-v0` imports `module` first)"""
-    seed: int = 1
-    """seeds parameters, environments and sampling"""
-    total_timesteps: int | None = None
-    """agent steps summed over all envs, actor threads, devices and hosts (default: 10M images, 300k vectors)"""
-    learning_rate: float | None = None
-    """RMSProp step size (default: 6e-4 images, the IMPALA paper's; 5e-3 vectors)"""
-    anneal_lr: bool = True
-    """anneal the learning rate linearly to 0 over the run"""
-    actor_device_ids: list[int] | None = None
-    """local device indices that act (default: device 0)"""
-    learner_device_ids: list[int] | None = None
-    """local device indices that learn (default: all others, or device 0 if it is the only one)"""
-    num_actor_threads: int = 2
-    """Python actor threads per actor device: one steps its envs while another runs inference"""
-    local_num_envs: int = 16
-    """envs per actor thread (one env batch, one policy call per step)"""
-    async_envs: bool = False
-    """two halves of a thread's envs take turns: one steps (envpool's threads) while the policy acts for the other"""
-    num_steps: int | None = None
-    """rollout length per env per update, the IMPALA paper's unroll (default: 20 images, 16 vectors)"""
-    gamma: float = 0.99
-    """discount"""
-    vtrace_lambda: float = 1.0
-    """lambda of V-trace's trace coefficients c_t = lambda * min(1, pi/mu)"""
-    ent_coef: float = 0.01
-    """entropy bonus weight"""
-    vf_coef: float = 0.5
-    """value loss weight"""
-    max_grad_norm: float = 40.0
-    """global-norm gradient clipping"""
-    rmsprop_eps: float | None = None
-    """RMSProp epsilon, outside the root: g / (sqrt(nu) + eps) (default: 0.01 images, the IMPALA paper's; 1e-5 vectors)"""
-    network: Literal["deep", "shallow", "mlp"] | None = None
-    """IMPALA paper figure 3's deep ResNet or shallow CNN for images (default: deep); an MLP for vectors"""
-    machado: bool = False
-    """Machado et al. (2018) protocol: sticky actions 0.25, full action set, no life loss, no no-op starts"""
-    log_every: int | None = None
-    """updates between log lines and metrics rows (default: 10 images, 40 vectors)"""
-    checkpoint_every: int = 100
-    """updates between checkpoints (one is always written at the end)"""
+    env_id: str = "Breakout-v5"  # an envpool id (Atari `*-v5`, `CartPole-v1`, ...) or a gymnasium id (`module:Name-v0`)
+    seed: int = 1  # seeds parameters, environments and sampling
+    total_timesteps: int | None = None  # agent steps of all envs of all hosts (default: 10M images, 300k vectors)
+    learning_rate: float | None = None  # RMSProp step size (default: 6e-4 images, the IMPALA paper's; 5e-3 vectors)
+    anneal_lr: bool = True  # anneal the learning rate linearly to 0 over the run
+    actor_device_ids: list[int] | None = None  # local device indices that act (default: device 0)
+    learner_device_ids: list[int] | None = None  # local device indices that learn (default: the others, else 0)
+    num_actor_threads: int = 2  # actor threads per actor device: one steps its envs while another runs inference
+    local_num_envs: int = 16  # envs per actor thread (one env batch, one policy call per step)
+    async_envs: bool = False  # a thread's two halves of envs take turns: one steps while the policy acts for the other
+    num_steps: int | None = None  # rollout length per env per update, the IMPALA paper's unroll (default: 20 / 16)
+    gamma: float = 0.99  # discount
+    vtrace_lambda: float = 1.0  # lambda of V-trace's trace coefficients c_t = lambda * min(1, pi/mu)
+    ent_coef: float = 0.01  # entropy bonus weight
+    vf_coef: float = 0.5  # value loss weight
+    max_grad_norm: float = 40.0  # global-norm gradient clipping
+    rmsprop_eps: float | None = None  # RMSProp epsilon, outside the root (default: 0.01 images, 1e-5 vectors)
+    network: Literal["deep", "shallow", "mlp"] | None = None  # IMPALA figure 3's deep (default) or shallow CNN; mlp
+    machado: bool = False  # Machado et al. (2018): sticky actions 0.25, full action set, no life loss, no no-ops
+    log_every: int | None = None  # updates between metrics rows (default: 10 images, 40 vectors)
+    checkpoint_every: int = 100  # updates between checkpoints (one is always written at the end)
     # The run folder, resuming and a multi-host start: read by the plumbing appendix only.
-    exp_name: str = Path(__file__).stem
-    """experiment name, part of the run folder's name"""
-    run_dir: str = "runs"
-    """parent folder of run folders"""
-    resume: str | None = None
-    """checkpoint.npz to continue from (parameters, optimizer, counters; envs start afresh)"""
-    distributed: bool = False
-    """call jax.distributed.initialize() for a multi-host run"""
-    coordinator_address: str | None = None
-    """host:port of process 0 (multi-host; JAX detects it on SLURM, Cloud TPU, Kubernetes)"""
-    num_processes: int | None = None
-    """number of processes (multi-host)"""
-    process_id: int | None = None
-    """index of this process (multi-host)"""
-    peer_timeout: int = 300
-    """seconds to wait for every process of a multi-host run to join before giving up"""
+    exp_name: str = Path(__file__).stem  # experiment name, part of the run folder's name
+    run_dir: str = "runs"  # parent folder of run folders
+    resume: str | None = None  # checkpoint.npz to continue from (parameters, optimizer, counters; envs afresh)
+    distributed: bool = False  # call jax.distributed.initialize() for a multi-host run
+    coordinator_address: str | None = None  # host:port of process 0 (JAX detects it on SLURM, Cloud TPU, Kubernetes)
+    num_processes: int | None = None  # number of processes (multi-host)
+    process_id: int | None = None  # index of this process (multi-host)
+    peer_timeout: int = 300  # seconds to wait for every process of a multi-host run to join
 
 
 # The defaults of the flags above that are None, by observations (check_args fills them in). Images: the IMPALA
@@ -223,8 +193,7 @@ class Step(NamedTuple):
     game_over: np.ndarray  # [E] the whole game ended (Atari: its last life) or was truncated
 
 
-class Envs(NamedTuple):
-    """One batch of envs, stepped together."""
+class Envs(NamedTuple):  # one batch of envs, stepped together
     pool: object  # an envpool batch or a gymnasium vector env
     info: EnvInfo
     seed: int
@@ -241,14 +210,12 @@ def make_envs(args, num_envs, seed):
     return Envs(pool, info, seed)
 
 
-def env_groups(args):
-    """Env batches per actor thread: two with --async-envs, which take turns (see collect)."""
+def env_groups(args):  # env batches per actor thread: with --async-envs two take turns (see collect)
     return 2 if args.async_envs else 1
 
 
 def pool_threads(args):
-    """envpool threads per env batch: the host's cores shared among all its batches (each batch would
-    otherwise start a thread per core, and together they would oversubscribe the cores)."""
+    """envpool threads per env batch: the host's cores shared out (each batch would start one per core)."""
     batches = len(args.actor_device_ids or [0]) * args.num_actor_threads * env_groups(args)
     return max(1, len(os.sched_getaffinity(0)) // batches)
 
@@ -441,7 +408,7 @@ def impala_loss(params, rollout, args):
 
 # ---- Acting (actor devices): Python threads step the envs and run the policy ---------------
 
-@partial(jax.jit, static_argnums=3)
+@partial(jax.jit, static_argnames="network")
 def act(params, obs, key, network):
     """Sample actions on the actor device; return them with what the learner needs of them."""
     key, sub = jax.random.split(key)
@@ -460,8 +427,7 @@ class Rollout(NamedTuple):
     valid: np.ndarray  # [T, E] 0.0: step t is the env's reset step after an episode's end
 
 
-class ActorState(NamedTuple):
-    """What an actor thread carries from one step, and one rollout, to the next."""
+class ActorState(NamedTuple):  # what an actor thread carries from one step, and one rollout, to the next
     obs: np.ndarray  # [E, *obs_shape] the observation to act on
     key: jax.Array  # on the actor device
     ended: np.ndarray  # [E] obs is an episode's last: the next step is the env's reset step
@@ -469,39 +435,41 @@ class ActorState(NamedTuple):
     game_length: np.ndarray  # [E] agent steps of the game in progress
 
 
-class Games(NamedTuple):
-    returns: list  # of the whole games that ended during a rollout
+class ActorStats(NamedTuple):  # what an actor thread reports with each rollout
+    returns: list  # of the whole games that ended during the rollout
     lengths: list
+    lag: int  # updates between the acting parameters and the learner's
+    seconds: dict  # per rollout: rollout_time, inference_time, env_step_time, actor_params_wait, actor_queue_wait
 
 
-def track_games(state, step, games):
-    """The ActorState after `step`; the games it ended are added to `games`."""
+def track_games(state, step, stats):
+    """The ActorState after `step`; the games it ended go to `stats`."""
     # The reset step after an episode's end (a life lost included) ignores the action: it is no step of a game.
     played = ~state.ended
     game_return, game_length = state.game_return + step.score, state.game_length + played
-    games.returns.extend(game_return[step.game_over].tolist())
-    games.lengths.extend(game_length[step.game_over].tolist())
+    stats.returns.extend(game_return[step.game_over].tolist())
+    stats.lengths.extend(game_length[step.game_over].tolist())
     over = step.game_over
     return ActorState(obs=step.obs, key=state.key, ended=step.ended,
                       game_return=np.where(over, 0.0, game_return), game_length=np.where(over, 0, game_length))
 
 
-def collect(args, groups, params, states, seconds):
+def collect(args, groups, params, states, stats):
     """Step each group of envs --num-steps times with the policy, the groups taking turns: envpool steps one
     group in its threads while the policy acts for the next. Only the actions leave the actor device each step.
-    Returns the Rollout (the groups' envs side by side), the groups' next ActorStates and the Games that ended."""
-    steps, sent, states, games = [[] for _ in groups], [None] * len(groups), list(states), Games([], [])
+    Returns the Rollout (the groups' envs side by side) and their next ActorStates; adds games and times to `stats`."""
+    steps, sent, states = [[] for _ in groups], [None] * len(groups), list(states)
     for t in range(args.num_steps + 1):
         for g, envs in enumerate(groups):
             if t > 0:  # the step this group sent at t - 1
                 obs, actions, logits = sent[g]
-                with timer(seconds, "env_step_time"):
+                with timer(stats.seconds, "env_step_time"):
                     step = env_step(envs, actions, sent=True)
                 steps[g].append(Rollout(obs=obs, actions=actions, logits=logits, rewards=step.reward,
                                         terminated=step.terminated, valid=~states[g].ended))
-                states[g] = track_games(states[g], step, games)
+                states[g] = track_games(states[g], step, stats)
             if t < args.num_steps:
-                with timer(seconds, "inference_time"):  # fetching the actions included
+                with timer(stats.seconds, "inference_time"):  # fetching the actions included
                     actions, logits, key = act(params, states[g].obs, states[g].key, args.network)
                     actions = np.asarray(actions)
                 env_send(envs, actions)
@@ -511,7 +479,7 @@ def collect(args, groups, params, states, seconds):
         jax.tree.map(lambda *x: np.stack(jax.device_get(x)), *group_steps) for group_steps in steps])
     rollout = rollout._replace(obs=np.concatenate([rollout.obs, np.concatenate([s.obs for s in states])[None]]),
                                **{f: getattr(rollout, f).astype(np.float32) for f in ("terminated", "valid")})
-    return rollout, states, games
+    return rollout, states
 
 
 def start_groups(args, index, device, start_update):
@@ -552,8 +520,7 @@ class ParamStore:
             self.version, self.params = version, params
             self.cond.notify_all()
 
-    def wait(self, min_version, stop):
-        """(version, params) once version >= min_version."""
+    def wait(self, min_version, stop):  # -> (version, params) once version >= min_version
         with self.cond:
             while self.version < min_version:
                 if stop.is_set():
@@ -562,8 +529,7 @@ class ParamStore:
             return self.version, self.params
 
 
-class Actor(NamedTuple):
-    """What one actor thread works with."""
+class Actor(NamedTuple):  # what one actor thread works with
     index: int  # among all threads of all hosts: its envs' seeds and its action streams
     device: jax.Device
     learner_devices: list  # this host's, each taking its share of the envs
@@ -573,13 +539,6 @@ class Actor(NamedTuple):
     errors: list  # a failing thread's traceback, for main to print
     start_update: int  # the update this run starts after (a resumed checkpoint's)
     num_updates: int
-
-
-class ActorStats(NamedTuple):
-    """What an actor thread reports with each rollout."""
-    games: Games
-    lag: int  # updates between the acting parameters and the learner's
-    seconds: dict  # per rollout: rollout_time, inference_time, env_step_time, actor_params_wait, actor_queue_wait
 
 
 def actor_loop(args, actor):
@@ -592,18 +551,19 @@ def actor_loop(args, actor):
         # parameters version u - 1 (lag 1), which V-trace's importance weights correct for.
         with timer(seconds, "actor_params_wait"):
             version, params = actor.store.wait(u - 1, actor.stop)
+        stats = ActorStats(returns=[], lengths=[], lag=u - version, seconds=seconds)
         with timer(seconds, "rollout_time"):
-            rollout, states, games = collect(args, groups, params[actor.device], states, seconds)
+            rollout, states = collect(args, groups, params[actor.device], states, stats)
             n = len(actor.learner_devices)  # each learner device takes its share of the envs
             parts = [jax.device_put(jax.tree.map(lambda x: np.split(x, n, axis=1)[i], rollout), d)
                      for i, d in enumerate(actor.learner_devices)]
         start = time.perf_counter()
-        until_stopped(actor.out.put, actor.stop.is_set, (parts, ActorStats(games, u - version, seconds)))
+        until_stopped(actor.out.put, actor.stop.is_set, (parts, stats))
         queue_wait = time.perf_counter() - start
 
 
 def actor_thread(args, actor):
-    """An actor thread's body: a failure keeps its traceback for the learner to print and stops the run."""
+    """A failure keeps its traceback for main to print and stops the run."""
     try:
         actor_loop(args, actor)
     except Stopped:
@@ -725,8 +685,7 @@ def to_actors(params, layout):
 
 # ---- The learner loop (main thread): rollouts in, updates, parameters out ----------------
 
-class Loop(NamedTuple):
-    """What the learner loop works with besides its state."""
+class Loop(NamedTuple):  # what the learner loop works with besides its state
     layout: Layout
     update_fn: object  # the compiled learner update
     queues: list  # one bounded queue per local actor thread
@@ -775,7 +734,7 @@ def learn(args, loop, state):
 
 
 def checkpoint(args, loop, state, update):
-    """Process 0 fetches the replicated state (the others would only pay the transfer) and saves it."""
+    """Process 0 fetches the replicated state and saves it (the others would only pay the transfer)."""
     if loop.run.checkpoint is not None:
         save(loop.run, {"state": jax.device_get(local(state)), "update": np.int64(update),
                         "global_step": np.int64(update * loop.batch)}, args)
@@ -794,8 +753,7 @@ def initial_state(args, env_info, layout, batch):
 
 # ---- The metrics: CleanRL's names and Cleanba's timing scalars -----------------------------
 
-class Window(NamedTuple):
-    """What the learner saw since the last metrics row."""
+class Window(NamedTuple):  # what the learner saw since the last metrics row
     start: float  # time.perf_counter()
     actors: list  # ActorStats of every rollout
     losses: list  # Losses of every update
@@ -820,9 +778,9 @@ def report(args, loop, window, update):
            **{f"losses/{k}": mean(v) for k, v in zip(Losses._fields, zip(*window.losses))},
            **{f"stats/{k}": mean([s.seconds[k] for s in window.actors]) for k in window.actors[0].seconds},
            **{f"stats/{k}": mean([seconds[k] for seconds in window.learner]) for k in window.learner[0]}}
-    if returns := [r for s in window.actors for r in s.games.returns]:
+    if returns := [r for s in window.actors for r in s.returns]:
         row["charts/episodic_return"] = mean(returns)
-        row["charts/episodic_length"] = mean([n for s in window.actors for n in s.games.lengths])
+        row["charts/episodic_length"] = mean([n for s in window.actors for n in s.lengths])
     eta = (time.perf_counter() - loop.start) / (update - loop.start_update) * (loop.num_updates - update)
     log(loop.run, row, loop.num_updates, loop.num_updates * loop.batch, eta)
     return row
