@@ -81,36 +81,36 @@ class Args:
     More envs per policy call fill the GPU: try 2-4 actor threads x 32-64 envs with --async-envs (a larger batch also
     changes what an update learns from); `python tests/benchmark.py --gpu-check` measures such a grid."""
 
-    env_id: str = "Breakout-v5"  # an envpool id (Atari `*-v5`, `CartPole-v1`, ...) or a gymnasium id (`module:Name-v0`)
-    seed: int = 1  # seeds parameters, environments and sampling
+    env_id: str = "Breakout-v5"  # an envpool id (Atari `*-v5`, `CartPole-v1`) or a gymnasium id (`module:Name-v0`)
+    seed: int = 1  # seeds parameters, envs and sampling
     total_timesteps: int | None = None  # agent steps of all envs of all hosts (default: 10M images, 300k vectors)
-    learning_rate: float | None = None  # RMSProp step size (default: 6e-4 images, the IMPALA paper's; 5e-3 vectors)
-    anneal_lr: bool = True  # anneal the learning rate linearly to 0 over the run
+    learning_rate: float | None = None  # RMSProp step size (default: 6e-4 images, 5e-3 vectors)
+    anneal_lr: bool = True  # anneal the learning rate linearly to 0
     actor_device_ids: list[int] | None = None  # local device indices that act (default: device 0)
     learner_device_ids: list[int] | None = None  # local device indices that learn (default: the others, else 0)
-    num_actor_threads: int = 2  # actor threads per actor device: one steps its envs while another runs inference
-    local_num_envs: int = 16  # envs per actor thread (one env batch, one policy call per step)
-    async_envs: bool = False  # a thread's two halves of envs take turns: one steps while the policy acts for the other
-    num_steps: int | None = None  # rollout length per env per update, the IMPALA paper's unroll (default: 20 / 16)
+    num_actor_threads: int = 2  # per actor device: one steps its envs while another acts
+    local_num_envs: int = 16  # envs per actor thread (one policy call per step)
+    async_envs: bool = False  # a thread's envs in two halves: one steps while the policy acts for the other
+    num_steps: int | None = None  # rollout length per env per update (default: 20 images, 16 vectors)
     gamma: float = 0.99  # discount
-    vtrace_lambda: float = 1.0  # lambda of V-trace's trace coefficients c_t = lambda * min(1, pi/mu)
+    vtrace_lambda: float = 1.0  # V-trace's lambda: c_t = lambda * min(1, pi/mu)
     ent_coef: float = 0.01  # entropy bonus weight
     vf_coef: float = 0.5  # value loss weight
     max_grad_norm: float = 40.0  # global-norm gradient clipping
     rmsprop_eps: float | None = None  # RMSProp epsilon, outside the root (default: 0.01 images, 1e-5 vectors)
-    network: Literal["deep", "shallow", "mlp"] | None = None  # IMPALA figure 3's deep (default) or shallow CNN; mlp
-    machado: bool = False  # Machado et al. (2018): sticky actions 0.25, full action set, no life loss, no no-ops
+    network: Literal["deep", "shallow", "mlp"] | None = None  # IMPALA's figure 3 CNNs (default deep); mlp: vectors
+    machado: bool = False  # Machado et al. (2018): sticky actions, full action set, no life loss
     log_every: int | None = None  # updates between metrics rows (default: 10 images, 40 vectors)
-    checkpoint_every: int = 100  # updates between checkpoints (one is always written at the end)
-    # The run folder, resuming and a multi-host start: read by the plumbing appendix only.
+    checkpoint_every: int = 100  # updates between checkpoints (and one at the end)
+    # Read by the plumbing appendix only: the run folder, resuming, a multi-host start.
     exp_name: str = Path(__file__).stem  # experiment name, part of the run folder's name
     run_dir: str = "runs"  # parent folder of run folders
-    resume: str | None = None  # checkpoint.npz to continue from (parameters, optimizer, counters; envs afresh)
+    resume: str | None = None  # checkpoint.npz to continue from (envs start afresh)
     distributed: bool = False  # call jax.distributed.initialize() for a multi-host run
-    coordinator_address: str | None = None  # host:port of process 0 (JAX detects it on SLURM, Cloud TPU, Kubernetes)
+    coordinator_address: str | None = None  # host:port of process 0 (JAX finds it on SLURM, Cloud TPU, Kubernetes)
     num_processes: int | None = None  # number of processes (multi-host)
     process_id: int | None = None  # index of this process (multi-host)
-    peer_timeout: int = 300  # seconds to wait for every process of a multi-host run to join
+    peer_timeout: int = 300  # seconds to wait for all processes to join
 
 
 # The defaults of the flags above that are None, by observations (check_args fills them in). Images: the IMPALA
@@ -127,9 +127,8 @@ DEFAULTS = {
 # ---- The environment: stepped on the host by the actor threads (envpool or gymnasium) ------
 
 def atari_kwargs(machado):
-    """The IMPALA paper's protocol: a lost life ends a training episode, rewards clipped to their
-    sign, 30 no-op starts (frame skip 4, 4-frame stack, 84x84 grey are envpool's defaults)."""
-    if machado:  # Machado et al. 2018: sticky actions instead of no-ops (noop_max=0 crashes envpool 1.2.5)
+    """The IMPALA paper's protocol: a lost life ends a training episode, rewards clipped, 30 no-op starts."""
+    if machado:  # noop_max=0 would crash envpool 1.2.5
         return dict(episodic_life=False, reward_clip=True, noop_max=1,
                     repeat_action_probability=0.25, full_action_space=True)
     return dict(episodic_life=True, reward_clip=True, noop_max=30)
@@ -143,11 +142,11 @@ class EnvInfo(NamedTuple):
 
 
 def gym_name(env_id):
-    """The gymnasium name of `module:Name-v0` or `Name-v0`, its module imported; an unknown one fails."""
+    """The gymnasium name in `module:Name-v0` or `Name-v0`, once its module is imported."""
     module, _, name = env_id.rpartition(":")
     try:
         importlib.import_module(module) if module else None
-    except Exception as err:  # not found, a relative name such as "../x", or the module's own error
+    except Exception as err:  # also a relative name such as "../x"
         fail(f"--env-id {env_id!r}: cannot import module {module!r} ({type(err).__name__}: {err})")
     if name not in gym.registry:
         close = difflib.get_close_matches(name, [*envpool.list_all_envs(), *gym.registry], n=3)
@@ -156,7 +155,7 @@ def gym_name(env_id):
 
 
 def env_spaces(env_id, machado):
-    """(observation space, action space, source, atari) of an envpool id, else of a gymnasium one."""
+    """(observation space, action space, source, atari) of an envpool or else a gymnasium id."""
     if env_id in envpool.list_all_envs():
         spec = envpool.make_spec(env_id)
         atari = hasattr(spec.config, "episodic_life")
@@ -168,9 +167,9 @@ def env_spaces(env_id, machado):
     return probe.observation_space, probe.action_space, "gymnasium", False
 
 
-@cache  # check_args calls it, then each actor thread's make_envs: one probe of the env per run
+@cache  # check_args and each make_envs ask: one probe per run
 def describe_env(env_id, machado):
-    """The EnvInfo of an env this agent can play, checked before any env is stepped."""
+    """The EnvInfo of an env this agent can play."""
     obs_space, act_space, source, atari = env_spaces(env_id, machado)
     if machado and not atari:
         fail(f"--machado applies to Atari ids only, not {env_id!r}")
@@ -187,10 +186,10 @@ def describe_env(env_id, machado):
 class Step(NamedTuple):
     obs: np.ndarray  # [E, *obs_shape] the next observation
     reward: np.ndarray  # [E] the training reward (Atari: clipped to [-1, 1])
-    terminated: np.ndarray  # [E] the episode ended for training (Atari: a life lost too): no bootstrap
-    ended: np.ndarray  # [E] terminated or truncated: the next step is the env's reset step
+    terminated: np.ndarray  # [E] no bootstrap (Atari: a life lost too)
+    ended: np.ndarray  # [E] terminated or truncated: the next step resets
     score: np.ndarray  # [E] the game's own reward (Atari: unclipped)
-    game_over: np.ndarray  # [E] the whole game ended (Atari: its last life) or was truncated
+    game_over: np.ndarray  # [E] the whole game ended (Atari: its last life)
 
 
 class Envs(NamedTuple):  # one batch of envs, stepped together
@@ -205,7 +204,7 @@ def make_envs(args, num_envs, seed):
         kwargs = atari_kwargs(args.machado) if info.atari else {}
         pool = envpool.make(args.env_id, env_type="gymnasium", num_envs=num_envs, seed=seed,
                             num_threads=min(num_envs, pool_threads(args)), **kwargs)
-    else:  # gymnasium's vector envs autoreset on the next step by default, like envpool
+    else:  # autoresets on the next step, like envpool
         pool = gym.make_vec(args.env_id.rpartition(":")[2], num_envs=num_envs, vectorization_mode="sync")
     return Envs(pool, info, seed)
 
@@ -215,7 +214,7 @@ def env_groups(args):  # env batches per actor thread: with --async-envs two tak
 
 
 def pool_threads(args):
-    """envpool threads per env batch: the host's cores shared out (each batch would start one per core)."""
+    """envpool threads per env batch: the host's cores shared out, not one per core each."""
     batches = len(args.actor_device_ids or [0]) * args.num_actor_threads * env_groups(args)
     return max(1, len(os.sched_getaffinity(0)) // batches)
 
@@ -234,13 +233,13 @@ def env_reset(envs):
 
 
 def env_send(envs, actions):
-    """Start the envs' step: envpool runs it in its own threads until env_step(..., sent=True) collects it."""
+    """Start the envs' step in envpool's threads; env_step(..., sent=True) collects it."""
     if envs.info.source == "envpool":
         envs.pool.send(actions)
 
 
 def env_step(envs, actions, sent=False):
-    """The Step of `actions`: with `sent`, the one env_send started (gymnasium's steps only now)."""
+    """The Step of `actions`, or with `sent` of those env_send started."""
     if sent and envs.info.source == "envpool":
         obs, reward, terminated, truncated, info = envs.pool.recv()
     else:
@@ -269,10 +268,10 @@ def conv_init(key, c_in, c_out, size=3):
 
 def init_params(key, obs_shape, num_actions, network):
     """{"torso": the network's layers, "policy": ..., "value": ...}."""
-    # One key per layer in the order built (a split's i-th key is the same whatever the number asked).
+    # One key per layer in order (split's i-th key does not depend on how many are asked).
     keys, torso = iter(jax.random.split(key, 32)), {}
     if network == "mlp":
-        for head in ("policy", "value"):  # two MLPs: a shared torso lets value errors swamp the policy
+        for head in ("policy", "value"):  # unshared: value errors would swamp the policy
             torso[f"{head}0"] = dense_init(next(keys), obs_shape[0], 64, np.sqrt(2))
             torso[f"{head}1"] = dense_init(next(keys), 64, 64, np.sqrt(2))
         hidden = 64
@@ -410,7 +409,7 @@ def impala_loss(params, rollout, args):
 
 @partial(jax.jit, static_argnames="network")
 def act(params, obs, key, network):
-    """Sample actions on the actor device; return them with what the learner needs of them."""
+    """Sample actions on the actor device, with what the learner needs of them."""
     key, sub = jax.random.split(key)
     logits, _ = apply(params, obs, network)
     actions = jax.random.categorical(sub, logits)
@@ -418,46 +417,44 @@ def act(params, obs, key, network):
 
 
 class Rollout(NamedTuple):
-    """One actor thread's `--num-steps` transitions (while collect gathers them, one step's: no T)."""
-    obs: np.ndarray  # [T + 1, E, *obs_shape] x_0..x_T; x_T bootstraps and starts the next rollout
+    """`--num-steps` transitions (collect first builds one a step, without T)."""
+    obs: np.ndarray  # [T + 1, E, *obs_shape] x_0..x_T; x_T bootstraps
     actions: np.ndarray  # [T, E]
-    logits: np.ndarray  # [T, E, A] of the behaviour policy mu (the actor's parameters)
+    logits: np.ndarray  # [T, E, A] of the behaviour policy mu
     rewards: np.ndarray  # [T, E]
-    terminated: np.ndarray  # [T, E] 1.0: the episode ended after step t, no bootstrap
-    valid: np.ndarray  # [T, E] 0.0: step t is the env's reset step after an episode's end
+    terminated: np.ndarray  # [T, E] 1.0: no bootstrap after step t
+    valid: np.ndarray  # [T, E] 0.0: step t is a reset step
 
 
-class ActorState(NamedTuple):  # what an actor thread carries from one step, and one rollout, to the next
+class ActorState(NamedTuple):  # carried from step to step
     obs: np.ndarray  # [E, *obs_shape] the observation to act on
     key: jax.Array  # on the actor device
-    ended: np.ndarray  # [E] obs is an episode's last: the next step is the env's reset step
-    game_return: np.ndarray  # [E] score of the game in progress (Atari: unclipped, all lives)
-    game_length: np.ndarray  # [E] agent steps of the game in progress
+    ended: np.ndarray  # [E] obs ends an episode: the next step resets
+    game_return: np.ndarray  # [E] of the game in progress (Atari: unclipped)
+    game_length: np.ndarray  # [E] its agent steps
 
 
-class ActorStats(NamedTuple):  # what an actor thread reports with each rollout
-    returns: list  # of the whole games that ended during the rollout
+class ActorStats(NamedTuple):  # sent with each rollout
+    returns: list  # of the whole games that ended
     lengths: list
     lag: int  # updates between the acting parameters and the learner's
-    seconds: dict  # per rollout: rollout_time, inference_time, env_step_time, actor_params_wait, actor_queue_wait
+    seconds: dict  # timings of the rollout
 
 
 def track_games(state, step, stats):
     """The ActorState after `step`; the games it ended go to `stats`."""
-    # The reset step after an episode's end (a life lost included) ignores the action: it is no step of a game.
-    played = ~state.ended
+    # A reset step (after any episode's end, a life lost too) ignores the action: it is no step of a game.
+    played, over = ~state.ended, step.game_over
     game_return, game_length = state.game_return + step.score, state.game_length + played
-    stats.returns.extend(game_return[step.game_over].tolist())
-    stats.lengths.extend(game_length[step.game_over].tolist())
-    over = step.game_over
+    stats.returns.extend(game_return[over].tolist())
+    stats.lengths.extend(game_length[over].tolist())
     return ActorState(obs=step.obs, key=state.key, ended=step.ended,
                       game_return=np.where(over, 0.0, game_return), game_length=np.where(over, 0, game_length))
 
 
 def collect(args, groups, params, states, stats):
-    """Step each group of envs --num-steps times with the policy, the groups taking turns: envpool steps one
-    group in its threads while the policy acts for the next. Only the actions leave the actor device each step.
-    Returns the Rollout (the groups' envs side by side) and their next ActorStates; adds games and times to `stats`."""
+    """Step each group of envs --num-steps times, the groups taking turns: envpool steps one while the policy
+    acts for the next. Only the actions leave the actor device each step. Returns the Rollout and ActorStates."""
     steps, sent, states = [[] for _ in groups], [None] * len(groups), list(states)
     for t in range(args.num_steps + 1):
         for g, envs in enumerate(groups):
@@ -469,12 +466,12 @@ def collect(args, groups, params, states, stats):
                                         terminated=step.terminated, valid=~states[g].ended))
                 states[g] = track_games(states[g], step, stats)
             if t < args.num_steps:
-                with timer(stats.seconds, "inference_time"):  # fetching the actions included
+                with timer(stats.seconds, "inference_time"):
                     actions, logits, key = act(params, states[g].obs, states[g].key, args.network)
                     actions = np.asarray(actions)
                 env_send(envs, actions)
                 sent[g], states[g] = (states[g].obs, actions, logits), states[g]._replace(key=key)
-    # What stayed on the actor device comes to the host in one go, then the groups go side by side: [T, E, ...]
+    # The rest comes off the actor device in one go; the groups side by side: [T, E, ...]
     rollout = jax.tree.map(lambda *x: np.concatenate(x, axis=1), *[
         jax.tree.map(lambda *x: np.stack(jax.device_get(x)), *group_steps) for group_steps in steps])
     rollout = rollout._replace(obs=np.concatenate([rollout.obs, np.concatenate([s.obs for s in states])[None]]),
@@ -483,12 +480,12 @@ def collect(args, groups, params, states, stats):
 
 
 def start_groups(args, index, device, start_update):
-    """Actor thread `index`'s groups of envs (one; two with --async-envs) and their first ActorStates."""
+    """Actor thread `index`'s groups of envs and their first ActorStates."""
     n = args.local_num_envs // env_groups(args)
     groups, states = [], []
-    for i in range(index * env_groups(args), (index + 1) * env_groups(args)):  # envs seed + i * n ...
+    for i in range(index * env_groups(args), (index + 1) * env_groups(args)):
         groups.append(make_envs(args, n, args.seed + i * n))
-        # Each group samples actions from its own stream, and a resumed run from new ones.
+        # Each group, and a resumed run, samples from its own stream.
         key = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(args.seed), start_update), 1 + i)
         states.append(ActorState(obs=env_reset(groups[-1]), key=jax.device_put(key, device), ended=np.zeros(n, bool),
                                  game_return=np.zeros(n), game_length=np.zeros(n, int)))
@@ -496,11 +493,11 @@ def start_groups(args, index, device, start_update):
 
 
 class Stopped(Exception):
-    """The run is stopping (it ended, or an actor thread failed): whoever waits gives up."""
+    """The run is stopping: whoever waits gives up."""
 
 
 def until_stopped(op, stopping, *op_args):
-    """`q.put` or `q.get` on a bounded queue: wait, but raise Stopped once `stopping()`."""
+    """`q.put` or `q.get`, raising Stopped once `stopping()`."""
     while not stopping():
         try:
             return op(*op_args, timeout=0.5)
@@ -510,7 +507,7 @@ def until_stopped(op, stopping, *op_args):
 
 
 class ParamStore:
-    """The newest parameters on every actor device, and how many updates made them."""
+    """The newest parameters on every actor device, and their version (updates made)."""
 
     def __init__(self):
         self.cond, self.version, self.params = threading.Condition(), -1, None
@@ -529,32 +526,31 @@ class ParamStore:
             return self.version, self.params
 
 
-class Actor(NamedTuple):  # what one actor thread works with
-    index: int  # among all threads of all hosts: its envs' seeds and its action streams
+class Actor(NamedTuple):  # an actor thread's
+    index: int  # among all hosts' threads: seeds its envs
     device: jax.Device
-    learner_devices: list  # this host's, each taking its share of the envs
+    learner_devices: list  # this host's
     store: ParamStore
-    out: queue.Queue  # bounded: (rollout parts, ActorStats) for the learner
-    stop: threading.Event  # set at the end, or by a failing actor thread
-    errors: list  # a failing thread's traceback, for main to print
-    start_update: int  # the update this run starts after (a resumed checkpoint's)
+    out: queue.Queue  # bounded: (rollout parts, ActorStats)
+    stop: threading.Event  # set at the end or on a failure
+    errors: list  # tracebacks for main to print
+    start_update: int
     num_updates: int
 
 
 def actor_loop(args, actor):
-    """One actor thread (paper section 4): act on its device, ship each rollout to the learners."""
+    """One actor thread (paper section 4): act, ship each rollout to the learners."""
     groups, states = start_groups(args, actor.index, actor.device, actor.start_update)
-    queue_wait = 0.0  # a rollout's wait for room in the queue is reported with the next one
-    for u in range(actor.start_update, actor.num_updates):  # rollout u feeds update u + 1
+    queue_wait = 0.0  # reported with the next rollout
+    for u in range(actor.start_update, actor.num_updates):
         seconds = defaultdict(float, actor_queue_wait=queue_wait)
-        # Rollout u is collected while the learner works on rollout u - 1, so it may act with
-        # parameters version u - 1 (lag 1), which V-trace's importance weights correct for.
+        # Rollout u feeds update u + 1 and may act with version u - 1 (lag 1): V-trace corrects for it.
         with timer(seconds, "actor_params_wait"):
             version, params = actor.store.wait(u - 1, actor.stop)
         stats = ActorStats(returns=[], lengths=[], lag=u - version, seconds=seconds)
         with timer(seconds, "rollout_time"):
             rollout, states = collect(args, groups, params[actor.device], states, stats)
-            n = len(actor.learner_devices)  # each learner device takes its share of the envs
+            n = len(actor.learner_devices)  # a share of the envs each
             parts = [jax.device_put(jax.tree.map(lambda x: np.split(x, n, axis=1)[i], rollout), d)
                      for i, d in enumerate(actor.learner_devices)]
         start = time.perf_counter()
@@ -563,7 +559,7 @@ def actor_loop(args, actor):
 
 
 def actor_thread(args, actor):
-    """A failure keeps its traceback for main to print and stops the run."""
+    """A failure stops the run; main prints its traceback."""
     try:
         actor_loop(args, actor)
     except Stopped:
@@ -581,14 +577,14 @@ class TrainState(NamedTuple):
 
 
 def learning_rate(args, num_updates, update):
-    """The learning rate of update `update` (0 is the first): annealed linearly to 0 with --anneal-lr."""
+    """The learning rate of update `update` (0 is the first)."""
     return args.learning_rate * (1.0 - update / num_updates if args.anneal_lr else 1.0)
 
 
 def make_optimizer(args, num_updates):
     """RMSProp (decay 0.99, no momentum) with global-norm clipping, as in the IMPALA paper. Epsilon goes
-    outside the root, as in torchbeast's and Cleanba's RMSProp: inside it (optax's default) 0.01 floors the
-    denominator at 0.1, and the policy barely moves on Atari (README.md: IMPALA's RMSProp and network)."""
+    outside the root, as in torchbeast and Cleanba: inside (optax's default) 0.01 floors the denominator
+    at 0.1 and the policy barely moves on Atari."""
     lr = lambda count: learning_rate(args, num_updates, count)
     return optax.chain(optax.clip_by_global_norm(args.max_grad_norm),
                        optax.rmsprop(lr, decay=0.99, eps=args.rmsprop_eps, eps_in_sqrt=False))
@@ -610,10 +606,10 @@ def learner_update(state, rollout, args, optimizer):
 
 
 def make_update(args, mesh, num_updates):
-    """The learner: one update on every learner device of every host, one compiled call."""
+    """One update on every learner device of every host, one compiled call."""
     update = partial(learner_update, args=args, optimizer=make_optimizer(args, num_updates))
-    # check_vma=False: parameters enter replicated (P()) and the body combines the devices' gradients
-    # itself (pmean or psum); with the check on, JAX would already have summed them across devices.
+    # check_vma=False: the body sums the devices' gradients itself; with the check on, JAX would already
+    # have summed those of the replicated (P()) parameters.
     sharded = jax.shard_map(update, mesh=mesh, in_specs=(P(), P(None, "devices")), out_specs=(P(), P()),
                             check_vma=False)
     return jax.jit(sharded)
@@ -625,7 +621,7 @@ class Layout(NamedTuple):
     actor_devices: list  # this host's
     learner_devices: list  # this host's, in mesh order
     mesh: Mesh  # the learner devices of every host, one axis "devices"
-    num_envs: int  # envs of every actor thread of every host
+    num_envs: int  # of all hosts
 
 
 def pick_devices(args):
@@ -648,9 +644,9 @@ def pick_devices(args):
 
 
 def start_actors(args, layout, store, stop, errors, start_update, num_updates):
-    """This host's actor threads, each with its own bounded queue (read by the learner in a fixed order)."""
+    """This host's actor threads, each with its own bounded queue."""
     devices = [d for d in layout.actor_devices for _ in range(args.num_actor_threads)]
-    offset = jax.process_index() * len(devices)  # global thread indices: env seeds differ across hosts
+    offset = jax.process_index() * len(devices)  # env seeds differ across hosts
     actors = [Actor(index=offset + i, device=device, learner_devices=layout.learner_devices, store=store,
                     out=queue.Queue(maxsize=1), stop=stop, errors=errors, start_update=start_update,
                     num_updates=num_updates) for i, device in enumerate(devices)]
@@ -662,7 +658,7 @@ def start_actors(args, layout, store, stop, errors, start_update, num_updates):
 
 
 def assemble(parts, layout):
-    """One global Rollout [T, all envs, ...] from the actor threads' parts on the learner devices."""
+    """One global Rollout [T, all envs, ...] from the actor threads' parts."""
     per_device = [jax.tree.map(lambda *x: jnp.concatenate(x, axis=1), *[p[i] for p in parts])
                   for i in range(len(layout.learner_devices))]
     sharding = NamedSharding(layout.mesh, P(None, "devices"))
@@ -685,22 +681,22 @@ def to_actors(params, layout):
 
 # ---- The learner loop (main thread): rollouts in, updates, parameters out ----------------
 
-class Loop(NamedTuple):  # what the learner loop works with besides its state
+class Loop(NamedTuple):  # the learner loop's
     layout: Layout
-    update_fn: object  # the compiled learner update
-    queues: list  # one bounded queue per local actor thread
+    update_fn: object  # make_update's
+    queues: list  # one per local actor thread
     store: ParamStore
-    stop: threading.Event  # set by a failing actor thread, and at the end
-    caught: list  # stop signals caught (catch_stop_signals)
+    stop: threading.Event
+    caught: list  # stop signals (catch_stop_signals)
     run: "Run"  # the run folder (plumbing)
-    start_update: int  # the update this run starts after (a resumed checkpoint's)
-    num_updates: int  # the update it ends with
+    start_update: int  # the update this run starts after (a resumed run's)
+    num_updates: int
     batch: int  # steps per update
-    start: float  # time.perf_counter() at the start
+    start: float  # time.perf_counter()
 
 
 def receive(loop):
-    """Every local actor thread's next (rollout parts, ActorStats); None once a stop signal is caught."""
+    """Every local actor thread's (rollout parts, ActorStats); None once a stop signal is caught."""
     try:
         return [until_stopped(q.get, lambda: loop.stop.is_set() or bool(loop.caught)) for q in loop.queues]
     except Stopped:
@@ -710,14 +706,13 @@ def receive(loop):
 
 
 def learn(args, loop, state):
-    """Receive the rollouts, update, publish the parameters, report: update u learns from rollouts collected
-    with parameters version u - 1 or u - 2. Returns the state and the last metrics row."""
-    window, row = Window(time.perf_counter(), [], [], []), {}
+    """Receive rollouts, update, publish the parameters, report. Returns the state and the last metrics row."""
+    window, row = new_window(), {}
     for update in range(loop.start_update + 1, loop.num_updates + 1):
         seconds = defaultdict(float)
         with timer(seconds, "learner_queue_wait"):
             received = receive(loop)
-        done = update - 1  # between updates, the safe point: a checkpoint when due; on a stop signal, exit
+        done = update - 1  # the safe point: a checkpoint when due; on a stop signal, exit
         safe_point(loop.caught, done, loop.run, partial(checkpoint, args, loop, state, done),
                    due=done > loop.start_update and done % args.checkpoint_every == 0)
         with timer(seconds, "learner_time"):
@@ -729,7 +724,7 @@ def learn(args, loop, state):
         window.learner.append(seconds)
         window.actors.extend(stats for _, stats in received)
         if update % args.log_every == 0 or update in (loop.start_update + 1, loop.num_updates):
-            row, window = report(args, loop, window, update), Window(time.perf_counter(), [], [], [])
+            row, window = report(args, loop, window, update), new_window()
     return state, row
 
 
@@ -741,7 +736,7 @@ def checkpoint(args, loop, state, update):
 
 
 def initial_state(args, env_info, layout, batch):
-    """The TrainState on every learner device of every host, fresh or --resume's, and the update it starts after."""
+    """The TrainState on every learner device, fresh or --resume's, and the update it starts after."""
     init = partial(init_state, jax.random.PRNGKey(args.seed), args, env_info, args.total_timesteps // batch)
     template = {"state": jax.eval_shape(init), "update": np.int64(0), "global_step": np.int64(0)}
     ckpt = load(args, template, batch, "a checkpoint of sebulba_impala.py?") if args.resume else None
@@ -753,11 +748,15 @@ def initial_state(args, env_info, layout, batch):
 
 # ---- The metrics: CleanRL's names and Cleanba's timing scalars -----------------------------
 
-class Window(NamedTuple):  # what the learner saw since the last metrics row
+class Window(NamedTuple):  # since the last metrics row
     start: float  # time.perf_counter()
     actors: list  # ActorStats of every rollout
     losses: list  # Losses of every update
-    learner: list  # seconds of every update: learner_queue_wait, learner_time (publishing included)
+    learner: list  # timings of every update
+
+
+def new_window():
+    return Window(start=time.perf_counter(), actors=[], losses=[], learner=[])
 
 
 @contextlib.contextmanager
@@ -769,7 +768,7 @@ def timer(seconds, name):
 
 
 def report(args, loop, window, update):
-    """Log the window's metrics row (means over its updates, rollouts and games); returns it."""
+    """Log the window's means as a metrics row; returns it."""
     mean = lambda xs: float(np.mean(xs))
     row = {"global_step": update * loop.batch, "update": update,
            "charts/SPS": len(window.losses) * loop.batch / (time.perf_counter() - window.start),
@@ -789,7 +788,7 @@ def report(args, loop, window, update):
 # ---- This script's flags ------------------------------------------------------------------
 
 def check_args(args):
-    """Flag checks, before any env is stepped; returns the args and the env's EnvInfo."""
+    """Flag checks; returns the args, their defaults filled in, and the EnvInfo."""
     env_info = describe_env(args.env_id, args.machado)
     image = len(env_info.obs_shape) == 3
     if args.network is None and image and not args.distributed and jax.default_backend() == "cpu":
@@ -814,7 +813,7 @@ def check_sizes(args, layout, env_info):
     if args.local_num_envs % env_groups(args):
         fail(f"--local-num-envs {args.local_num_envs} must be even with --async-envs (two halves take turns)")
     check_seed(args.seed, 2**31 - layout.num_envs + 1)  # env i of the run is seeded with seed + i
-    # Each actor thread holds a rollout it collects, one in its queue and one being learned from.
+    # Each actor thread's rollouts: one collected, one queued, one learned from.
     threads = len(layout.actor_devices) * args.num_actor_threads
     obs_bytes = np.prod(env_info.obs_shape) * (1 if env_info.atari else 4)  # uint8 frames, else floats
     check_fits(3 * threads * (args.num_steps + 1) * args.local_num_envs * obs_bytes,

@@ -335,7 +335,7 @@ def test_machado_atari_run_resets_steps_and_learns_with_the_shallow_network(tmp_
     assert [row["global_step"] for row in result.metrics] == [16, 32]
     finite_losses(result)
     with np.load(result.run_dir / "checkpoint.npz", allow_pickle=False) as data:
-        assert data["state/params/torso/shallow/conv0/w"].shape == (8, 8, 4, 16)
+        assert data["state/params/torso/conv0/w"].shape == (8, 8, 4, 16)
         assert data["state/params/policy/w"].shape == (256, 18)  # the full action set
 
 
