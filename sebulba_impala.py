@@ -128,7 +128,7 @@ DEFAULTS = {
 
 def atari_kwargs(machado):
     """The IMPALA paper's protocol: a lost life ends a training episode, rewards clipped, 30 no-op starts."""
-    if machado:  # noop_max=0 would crash envpool 1.2.5
+    if machado:  # Machado et al. 2018; noop_max=1: no no-op starts (0 would crash envpool 1.2.5)
         return dict(episodic_life=False, reward_clip=True, noop_max=1,
                     repeat_action_probability=0.25, full_action_space=True)
     return dict(episodic_life=True, reward_clip=True, noop_max=30)
@@ -180,7 +180,7 @@ def describe_env(env_id, machado):
     shape = obs_space.shape
     if source == "gymnasium" and len(shape) == 3:  # gymnasium images are [H, W, C]
         shape = (shape[2], shape[0], shape[1])
-    return EnvInfo(tuple(shape), int(act_space.n), source, atari)
+    return EnvInfo(obs_shape=tuple(shape), num_actions=int(act_space.n), source=source, atari=atari)
 
 
 class Step(NamedTuple):
@@ -189,24 +189,24 @@ class Step(NamedTuple):
     terminated: np.ndarray  # [E] no bootstrap (Atari: a life lost too)
     ended: np.ndarray  # [E] terminated or truncated: the next step resets
     score: np.ndarray  # [E] the game's own reward (Atari: unclipped)
-    game_over: np.ndarray  # [E] the whole game ended (Atari: its last life)
+    game_over: np.ndarray  # [E] the whole game ended (Atari: its last life) or was truncated
 
 
 class Envs(NamedTuple):  # one batch of envs, stepped together
     pool: object  # an envpool batch or a gymnasium vector env
-    info: EnvInfo
+    env_info: EnvInfo
     seed: int
 
 
 def make_envs(args, num_envs, seed):
-    info = describe_env(args.env_id, args.machado)
-    if info.source == "envpool":
-        kwargs = atari_kwargs(args.machado) if info.atari else {}
+    env_info = describe_env(args.env_id, args.machado)
+    if env_info.source == "envpool":
+        kwargs = atari_kwargs(args.machado) if env_info.atari else {}
         pool = envpool.make(args.env_id, env_type="gymnasium", num_envs=num_envs, seed=seed,
                             num_threads=min(num_envs, pool_threads(args)), **kwargs)
     else:  # autoresets on the next step, like envpool
         pool = gym.make_vec(args.env_id.rpartition(":")[2], num_envs=num_envs, vectorization_mode="sync")
-    return Envs(pool, info, seed)
+    return Envs(pool=pool, env_info=env_info, seed=seed)
 
 
 def env_groups(args):  # env batches per actor thread: with --async-envs two take turns (see collect)
@@ -219,36 +219,36 @@ def pool_threads(args):
     return max(1, len(os.sched_getaffinity(0)) // batches)
 
 
-def host_obs(obs, info):
+def host_obs(obs, env_info):
     """envpool's layout and no float64: gymnasium images [E, H, W, C] -> [E, C, H, W]."""
-    if info.source == "gymnasium" and obs.ndim == 4:
+    if env_info.source == "gymnasium" and obs.ndim == 4:
         obs = np.moveaxis(obs, -1, 1)
     return obs.astype(np.float32) if obs.dtype == np.float64 else obs
 
 
 def env_reset(envs):
     """The first observations [E, *obs_shape]."""
-    obs, _ = envs.pool.reset() if envs.info.source == "envpool" else envs.pool.reset(seed=envs.seed)
-    return host_obs(obs, envs.info)
+    obs, _ = envs.pool.reset() if envs.env_info.source == "envpool" else envs.pool.reset(seed=envs.seed)
+    return host_obs(obs, envs.env_info)
 
 
 def env_send(envs, actions):
     """Start the envs' step in envpool's threads; env_step(..., sent=True) collects it."""
-    if envs.info.source == "envpool":
+    if envs.env_info.source == "envpool":
         envs.pool.send(actions)
 
 
 def env_step(envs, actions, sent=False):
     """The Step of `actions`, or with `sent` of those env_send started."""
-    if sent and envs.info.source == "envpool":
+    if sent and envs.env_info.source == "envpool":
         obs, reward, terminated, truncated, info = envs.pool.recv()
     else:
         obs, reward, terminated, truncated, info = envs.pool.step(actions)
-    if envs.info.atari:
+    if envs.env_info.atari:
         score, game_over = info["reward"], info["terminated"].astype(bool) | truncated  # the whole game's
     else:
         score, game_over = reward, terminated | truncated
-    return Step(obs=host_obs(obs, envs.info), reward=reward.astype(np.float32), terminated=terminated,
+    return Step(obs=host_obs(obs, envs.env_info), reward=reward.astype(np.float32), terminated=terminated,
                 ended=terminated | truncated, score=score, game_over=game_over)
 
 
@@ -379,7 +379,7 @@ def vtrace(values, rewards, discounts, rhos, valid, lambda_):
     vs = values[:-1] + corrections
     vs_next = jnp.concatenate([vs[1:], values[-1:]])
     pg_advantages = valid * clipped_rhos * (rewards + discounts * vs_next - values[:-1])
-    return VTrace(jax.lax.stop_gradient(vs), jax.lax.stop_gradient(pg_advantages))
+    return VTrace(vs=jax.lax.stop_gradient(vs), pg_advantages=jax.lax.stop_gradient(pg_advantages))
 
 
 class Losses(NamedTuple):
@@ -607,10 +607,10 @@ def learner_update(state, rollout, args, optimizer):
 
 def make_update(args, mesh, num_updates):
     """One update on every learner device of every host, one compiled call."""
-    update = partial(learner_update, args=args, optimizer=make_optimizer(args, num_updates))
+    body = partial(learner_update, args=args, optimizer=make_optimizer(args, num_updates))
     # check_vma=False: the body sums the devices' gradients itself; with the check on, JAX would already
     # have summed those of the replicated (P()) parameters.
-    sharded = jax.shard_map(update, mesh=mesh, in_specs=(P(), P(None, "devices")), out_specs=(P(), P()),
+    sharded = jax.shard_map(body, mesh=mesh, in_specs=(P(), P(None, "devices")), out_specs=(P(), P()),
                             check_vma=False)
     return jax.jit(sharded)
 

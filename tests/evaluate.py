@@ -214,7 +214,7 @@ def sebulba_game(module, args, params, opts):
     """The script's envs (make_envs, env_reset, env_step) and its `act`, or the arg-max of its `apply`.
     For a GIF of Atari, a twin of env 0 in colour: the same game (same seed, same actions), other frames."""
     envs, twin = module.make_envs(args, opts.episodes, opts.seed), None
-    if opts.gif and envs.info.atari:
+    if opts.gif and envs.env_info.atari:
         twin = envpool.make(args.env_id, env_type="gymnasium", num_envs=1, seed=opts.seed, gray_scale=False,
                             img_height=210, img_width=160, stack_num=1, **module.atari_kwargs(args.machado))
     network = {"network": args.network} if hasattr(args, "network") else {}  # sebulba_impala's apply takes it
