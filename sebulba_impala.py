@@ -43,6 +43,7 @@ import threading
 import time
 import traceback
 import warnings
+from collections import defaultdict
 from dataclasses import dataclass
 from functools import cache, partial
 from pathlib import Path
@@ -75,76 +76,45 @@ warnings.filterwarnings("ignore", message=".*precision lowered.*")
 
 @dataclass
 class Args:
-    """A host with N CPU cores and one GPU: the defaults act and learn on the GPU and share the N cores out
-    among envpool's threads; more envs per policy call fill the GPU better: try 2-4 actor threads x 32-64 envs,
-    with --async-envs (a larger batch also changes what each update learns from). The GPU check measures such
-    a grid on the machine: `python tests/benchmark.py --gpu-check` (tests/figures/README.md)."""
+    """A host with N CPU cores and one GPU: the defaults act and learn on the GPU, envpool's threads share the cores.
+    More envs per policy call fill the GPU: try 2-4 actor threads x 32-64 envs with --async-envs (a larger batch also
+    changes what an update learns from); `python tests/benchmark.py --gpu-check` measures such a grid."""
 
-    env_id: str = "Breakout-v5"
-    """an envpool id (Atari `*-v5`, `CartPole-v1`, ...) or any gymnasium id (`module:Name-v0` imports `module` first)"""
-    exp_name: str = Path(__file__).stem
-    """experiment name, part of the run folder's name"""
-    seed: int = 1
-    """seeds parameters, environments and sampling"""
-    total_timesteps: int | None = None
-    """agent steps summed over all envs, actor threads, devices and hosts (default: 10M images, 300k vectors)"""
-    learning_rate: float | None = None
-    """RMSProp step size (default: 6e-4 images, the IMPALA paper's; 5e-3 vectors)"""
-    anneal_lr: bool = True
-    """anneal the learning rate linearly to 0 over the run"""
-    actor_device_ids: list[int] | None = None
-    """local device indices that act (default: device 0)"""
-    learner_device_ids: list[int] | None = None
-    """local device indices that learn (default: all others, or device 0 if it is the only one)"""
-    num_actor_threads: int = 2
-    """Python actor threads per actor device: one steps its envs while another runs inference"""
-    local_num_envs: int = 16
-    """envs per actor thread (one env batch, one policy call per step)"""
-    async_envs: bool = False
-    """two halves of a thread's envs take turns: one steps (envpool's threads) while the policy acts for the other"""
-    num_steps: int | None = None
-    """rollout length per env per update, the IMPALA paper's unroll (default: 20 images, 16 vectors)"""
-    gamma: float = 0.99
-    """discount"""
-    vtrace_lambda: float = 1.0
-    """lambda of V-trace's trace coefficients c_t = lambda * min(1, pi/mu)"""
-    ent_coef: float = 0.01
-    """entropy bonus weight"""
-    vf_coef: float = 0.5
-    """value loss weight"""
-    max_grad_norm: float = 40.0
-    """global-norm gradient clipping"""
-    rmsprop_eps: float | None = None
-    """RMSProp epsilon, outside the root: g / (sqrt(nu) + eps) (default: 0.01 images, the IMPALA paper's; 1e-5 vectors)"""
-    network: Literal["deep", "shallow", "mlp"] | None = None
-    """IMPALA paper figure 3's deep ResNet or shallow CNN for images (default: deep); an MLP for vectors"""
-    machado: bool = False
-    """Machado et al. (2018) protocol: sticky actions 0.25, full action set, no life loss, no no-op starts"""
-    log_every: int | None = None
-    """updates between log lines and metrics rows (default: 10 images, 40 vectors)"""
-    checkpoint_every: int = 100
-    """updates between checkpoints (one is always written at the end)"""
-    run_dir: str = "runs"
-    """parent folder of run folders"""
-    resume: str | None = None
-    """checkpoint.npz to continue from (parameters, optimizer, counters; envs start afresh)"""
-    distributed: bool = False
-    """call jax.distributed.initialize() for a multi-host run"""
-    coordinator_address: str | None = None
-    """host:port of process 0 (multi-host; JAX detects it on SLURM, Cloud TPU, Kubernetes)"""
-    num_processes: int | None = None
-    """number of processes (multi-host)"""
-    process_id: int | None = None
-    """index of this process (multi-host)"""
-    peer_timeout: int = 300
-    """seconds to wait for every process of a multi-host run to join before giving up"""
+    env_id: str = "Breakout-v5"  # an envpool id (Atari `*-v5`, `CartPole-v1`) or a gymnasium id (`module:Name-v0`)
+    seed: int = 1  # seeds parameters, envs and sampling
+    total_timesteps: int | None = None  # agent steps of all envs of all hosts (default: 10M images, 300k vectors)
+    learning_rate: float | None = None  # RMSProp step size (default: 6e-4 images, 5e-3 vectors)
+    anneal_lr: bool = True  # anneal the learning rate linearly to 0
+    actor_device_ids: list[int] | None = None  # local device indices that act (default: device 0)
+    learner_device_ids: list[int] | None = None  # local device indices that learn (default: the others, else 0)
+    num_actor_threads: int = 2  # per actor device: one steps its envs while another acts
+    local_num_envs: int = 16  # envs per actor thread (one policy call per step)
+    async_envs: bool = False  # a thread's envs in two halves: one steps while the policy acts for the other
+    num_steps: int | None = None  # rollout length per env per update (default: 20 images, 16 vectors)
+    gamma: float = 0.99  # discount
+    vtrace_lambda: float = 1.0  # V-trace's lambda: c_t = lambda * min(1, pi/mu)
+    ent_coef: float = 0.01  # entropy bonus weight
+    vf_coef: float = 0.5  # value loss weight
+    max_grad_norm: float = 40.0  # global-norm gradient clipping
+    rmsprop_eps: float | None = None  # RMSProp epsilon, outside the root (default: 0.01 images, 1e-5 vectors)
+    network: Literal["deep", "shallow", "mlp"] | None = None  # IMPALA's figure 3 CNNs (default deep); mlp: vectors
+    machado: bool = False  # Machado et al. (2018): sticky actions, full action set, no life loss
+    log_every: int | None = None  # updates between metrics rows (default: 10 images, 40 vectors)
+    checkpoint_every: int = 100  # updates between checkpoints (and one at the end)
+    # Read by the plumbing appendix only: the run folder, resuming, a multi-host start.
+    exp_name: str = Path(__file__).stem  # experiment name, part of the run folder's name
+    run_dir: str = "runs"  # parent folder of run folders
+    resume: str | None = None  # checkpoint.npz to continue from (envs start afresh)
+    distributed: bool = False  # call jax.distributed.initialize() for a multi-host run
+    coordinator_address: str | None = None  # host:port of process 0 (JAX finds it on SLURM, Cloud TPU, Kubernetes)
+    num_processes: int | None = None  # number of processes (multi-host)
+    process_id: int | None = None  # index of this process (multi-host)
+    peer_timeout: int = 300  # seconds to wait for all processes to join
 
 
-# Defaults that depend on the observations. Images: the IMPALA paper's Atari settings
-# (Espeholt et al. 2018, appendix G: batch 32 trajectories = 2 threads x 16 envs, unroll 20,
-# lr 6e-4, RMSProp eps 0.01). Vectors: CartPole's values grow to ~100 and RMSProp moves each
-# weight by about one step size per update, so the value head needs a large step size and
-# many small updates.
+# The defaults of the flags above that are None, by observations (check_args fills them in). Images: the IMPALA
+# paper's Atari settings (appendix G: 32 trajectories = 2 threads x 16 envs, unroll 20). Vectors: CartPole's values
+# grow to ~100 and RMSProp moves a weight about one step size per update: a large step size, many small updates.
 DEFAULTS = {
     "image": dict(total_timesteps=10_000_000, learning_rate=6e-4, num_steps=20, rmsprop_eps=0.01, network="deep",
                   log_every=10),
@@ -156,10 +126,8 @@ DEFAULTS = {
 # ---- The environment: stepped on the host by the actor threads (envpool or gymnasium) ------
 
 def atari_kwargs(machado):
-    """The IMPALA paper's protocol: a lost life ends a training episode, rewards clipped to their
-    sign, 30 no-op starts (frame skip 4, 4-frame stack, 84x84 grey are envpool's defaults)."""
-    if machado:  # Machado et al. 2018: stochasticity from sticky actions instead of no-ops
-        # noop_max=1 means no no-op starts: envpool 1.2.5 crashes at reset with noop_max=0.
+    """The IMPALA paper's protocol: a lost life ends a training episode, rewards clipped, 30 no-op starts."""
+    if machado:  # Machado et al. 2018; noop_max=1: no no-op starts (0 would crash envpool 1.2.5)
         return dict(episodic_life=False, reward_clip=True, noop_max=1,
                     repeat_action_probability=0.25, full_action_space=True)
     return dict(episodic_life=True, reward_clip=True, noop_max=30)
@@ -172,27 +140,36 @@ class EnvInfo(NamedTuple):
     atari: bool  # envpool Atari: the IMPALA paper's protocol; info["reward"] is the unclipped score
 
 
-@cache  # check_args calls it, then each actor thread's make_envs: one probe of the env per run
-def describe_env(env_id, machado):
-    """Find the id in envpool or gymnasium and check its spaces before any env is stepped."""
+def gym_name(env_id):
+    """The gymnasium name in `module:Name-v0` or `Name-v0`, once its module is imported."""
+    module, _, name = env_id.rpartition(":")
+    try:
+        importlib.import_module(module) if module else None
+    except Exception as err:  # also a relative name such as "../x"
+        fail(f"--env-id {env_id!r}: cannot import module {module!r} ({type(err).__name__}: {err})")
+    if name not in gym.registry:
+        close = difflib.get_close_matches(name, [*envpool.list_all_envs(), *gym.registry], n=3)
+        fail(f"--env-id {env_id!r}: unknown environment; close matches: {', '.join(close) or 'none'}")
+    return name
+
+
+def env_spaces(env_id, machado):
+    """(observation space, action space, source, atari) of an envpool or else a gymnasium id."""
     if env_id in envpool.list_all_envs():
         spec = envpool.make_spec(env_id)
         atari = hasattr(spec.config, "episodic_life")
         if atari:
             spec = envpool.make_spec(env_id, **atari_kwargs(machado))
-        obs_space, act_space, source = spec.observation_space, spec.action_space, "envpool"
-    else:
-        module, _, name = env_id.rpartition(":")
-        try:
-            importlib.import_module(module) if module else None
-        except Exception as err:  # not found, a relative name such as "../x", or the module's own error
-            fail(f"--env-id {env_id!r}: cannot import module {module!r} ({type(err).__name__}: {err})")
-        if name not in gym.registry:
-            close = difflib.get_close_matches(name, [*envpool.list_all_envs(), *gym.registry], n=3)
-            fail(f"--env-id {env_id!r}: unknown environment; close matches: {', '.join(close) or 'none'}")
-        probe = gym.make(name)  # gymnasium's spaces need an instance
-        obs_space, act_space, source, atari = probe.observation_space, probe.action_space, "gymnasium", False
-        probe.close()
+        return spec.observation_space, spec.action_space, "envpool", atari
+    probe = gym.make(gym_name(env_id))  # gymnasium's spaces need an instance
+    probe.close()
+    return probe.observation_space, probe.action_space, "gymnasium", False
+
+
+@cache  # check_args and each make_envs ask: one probe per run
+def describe_env(env_id, machado):
+    """The EnvInfo of an env this agent can play."""
+    obs_space, act_space, source, atari = env_spaces(env_id, machado)
     if machado and not atari:
         fail(f"--machado applies to Atari ids only, not {env_id!r}")
     if not isinstance(act_space, gym.spaces.Discrete) or act_space.start != 0:
@@ -202,79 +179,76 @@ def describe_env(env_id, machado):
     shape = obs_space.shape
     if source == "gymnasium" and len(shape) == 3:  # gymnasium images are [H, W, C]
         shape = (shape[2], shape[0], shape[1])
-    return EnvInfo(tuple(shape), int(act_space.n), source, atari)
+    return EnvInfo(obs_shape=tuple(shape), num_actions=int(act_space.n), source=source, atari=atari)
 
 
 class Step(NamedTuple):
     obs: np.ndarray  # [E, *obs_shape] the next observation
     reward: np.ndarray  # [E] the training reward (Atari: clipped to [-1, 1])
-    terminated: np.ndarray  # [E] the episode ended for training (Atari: a life lost too): no bootstrap
-    ended: np.ndarray  # [E] terminated or truncated: the next step is the env's reset step
+    terminated: np.ndarray  # [E] no bootstrap (Atari: a life lost too)
+    ended: np.ndarray  # [E] terminated or truncated: the next step resets
     score: np.ndarray  # [E] the game's own reward (Atari: unclipped)
     game_over: np.ndarray  # [E] the whole game ended (Atari: its last life) or was truncated
 
 
-class Envs(NamedTuple):
-    """One actor thread's batch of envs."""
+class Envs(NamedTuple):  # one batch of envs, stepped together
     pool: object  # an envpool batch or a gymnasium vector env
-    env: EnvInfo
+    env_info: EnvInfo
     seed: int
 
 
 def make_envs(args, num_envs, seed):
-    env = describe_env(args.env_id, args.machado)
-    if env.source == "envpool":
-        kwargs = atari_kwargs(args.machado) if env.atari else {}
+    env_info = describe_env(args.env_id, args.machado)
+    if env_info.source == "envpool":
+        kwargs = atari_kwargs(args.machado) if env_info.atari else {}
         pool = envpool.make(args.env_id, env_type="gymnasium", num_envs=num_envs, seed=seed,
                             num_threads=min(num_envs, pool_threads(args)), **kwargs)
-    else:  # gymnasium's vector envs autoreset on the next step by default, like envpool
+    else:  # autoresets on the next step, like envpool
         pool = gym.make_vec(args.env_id.rpartition(":")[2], num_envs=num_envs, vectorization_mode="sync")
-    return Envs(pool, env, seed)
+    return Envs(pool=pool, env_info=env_info, seed=seed)
 
 
-def env_groups(args):
-    """Env batches per actor thread: two with --async-envs, which take turns (see collect)."""
+def env_groups(args):  # env batches per actor thread: with --async-envs two take turns (see collect)
     return 2 if args.async_envs else 1
 
 
 def pool_threads(args):
-    """envpool threads per env batch: the host's cores shared among all its batches (each batch would
-    otherwise start a thread per core, and together they would oversubscribe the cores)."""
+    """envpool threads per env batch: the host's cores shared out, not one per core each."""
     batches = len(args.actor_device_ids or [0]) * args.num_actor_threads * env_groups(args)
     return max(1, len(os.sched_getaffinity(0)) // batches)
 
 
-def host_obs(obs, env):
+def host_obs(obs, env_info):
     """envpool's layout and no float64: gymnasium images [E, H, W, C] -> [E, C, H, W]."""
-    if env.source == "gymnasium" and obs.ndim == 4:
+    if env_info.source == "gymnasium" and obs.ndim == 4:
         obs = np.moveaxis(obs, -1, 1)
     return obs.astype(np.float32) if obs.dtype == np.float64 else obs
 
 
 def env_reset(envs):
     """The first observations [E, *obs_shape]."""
-    obs, _ = envs.pool.reset() if envs.env.source == "envpool" else envs.pool.reset(seed=envs.seed)
-    return host_obs(obs, envs.env)
+    obs, _ = envs.pool.reset() if envs.env_info.source == "envpool" else envs.pool.reset(seed=envs.seed)
+    return host_obs(obs, envs.env_info)
 
 
 def env_send(envs, actions):
-    """Start the envs' step: envpool runs it in its own threads until env_step(..., sent=True) collects it."""
-    if envs.env.source == "envpool":
+    """Start the envs' step in envpool's threads; env_step(..., sent=True) collects it."""
+    if envs.env_info.source == "envpool":
         envs.pool.send(actions)
 
 
 def env_step(envs, actions, sent=False):
-    """The Step of `actions`: with `sent`, the one env_send started (gymnasium's steps only now)."""
-    if sent and envs.env.source == "envpool":
+    """The Step of `actions`, or with `sent` of those env_send started."""
+    if sent and envs.env_info.source == "envpool":
         obs, reward, terminated, truncated, info = envs.pool.recv()
     else:
         obs, reward, terminated, truncated, info = envs.pool.step(actions)
-    if envs.env.atari:
+    if envs.env_info.atari:
         score, game_over = info["reward"], info["terminated"].astype(bool) | truncated  # the whole game's
     else:
         score, game_over = reward, terminated | truncated
-    return Step(host_obs(obs, envs.env), reward.astype(np.float32), terminated, terminated | truncated, score,
-                game_over)
+    return Step(obs=host_obs(obs, envs.env_info), reward=reward.astype(np.float32), terminated=terminated,
+                ended=terminated | truncated, score=score, game_over=game_over)
 
 
 # ---- The network: IMPALA paper figure 3 (without the LSTM) for images, an MLP for vectors -
@@ -292,11 +266,11 @@ def conv_init(key, c_in, c_out, size=3):
 
 
 def init_params(key, obs_shape, num_actions, network):
-    """{"torso": {network: its layers}, "policy": ..., "value": ...}: the torso is filed under its network's name."""
-    layers = {"deep": 5 * len(IMPALA_CHANNELS) + 1, "shallow": len(SHALLOW_CONVS) + 1, "mlp": 4}[network]
-    keys, torso = iter(jax.random.split(key, layers + 2)), {}  # one key per layer, the two heads included
+    """{"torso": the network's layers, "policy": ..., "value": ...}."""
+    # One key per layer in order (split's i-th key does not depend on how many are asked).
+    keys, torso = iter(jax.random.split(key, 32)), {}
     if network == "mlp":
-        for head in ("policy", "value"):  # two MLPs: a shared torso lets value errors swamp the policy
+        for head in ("policy", "value"):  # unshared: value errors would swamp the policy
             torso[f"{head}0"] = dense_init(next(keys), obs_shape[0], 64, np.sqrt(2))
             torso[f"{head}1"] = dense_init(next(keys), 64, 64, np.sqrt(2))
         hidden = 64
@@ -313,7 +287,7 @@ def init_params(key, obs_shape, num_actions, network):
                 torso[f"conv{i}"] = conv_init(next(keys), c_in, c, size)
                 c_in, h, w = c, (h - size) // stride + 1, (w - size) // stride + 1
         torso["dense"], hidden = dense_init(next(keys), h * w * c_in, 256, np.sqrt(2)), 256
-    return {"torso": {network: torso}, "policy": dense_init(next(keys), hidden, num_actions, 0.01),
+    return {"torso": torso, "policy": dense_init(next(keys), hidden, num_actions, 0.01),
             "value": dense_init(next(keys), hidden, 1, 1.0)}
 
 
@@ -358,11 +332,10 @@ def mlp_torso(p, obs):  # obs [N, D] -> [N, 64] policy features, [N, 64] value f
 TORSOS = {"deep": resnet_torso, "shallow": shallow_torso, "mlp": mlp_torso}
 
 
-def apply(params, obs):
+def apply(params, obs, network):
     """obs [..., *obs_shape] -> (policy logits [..., A], value [...])."""
-    (network, torso), = params["torso"].items()  # the one init_params built
     batch_shape = obs.shape[: obs.ndim - (1 if network == "mlp" else 3)]
-    policy_h, value_h = TORSOS[network](torso, obs.reshape(-1, *obs.shape[len(batch_shape):]))
+    policy_h, value_h = TORSOS[network](params["torso"], obs.reshape(-1, *obs.shape[len(batch_shape):]))
     logits, value = dense(params["policy"], policy_h), dense(params["value"], value_h)[:, 0]
     return logits.reshape(*batch_shape, -1), value.reshape(batch_shape)
 
@@ -405,7 +378,7 @@ def vtrace(values, rewards, discounts, rhos, valid, lambda_):
     vs = values[:-1] + corrections
     vs_next = jnp.concatenate([vs[1:], values[-1:]])
     pg_advantages = valid * clipped_rhos * (rewards + discounts * vs_next - values[:-1])
-    return VTrace(jax.lax.stop_gradient(vs), jax.lax.stop_gradient(pg_advantages))
+    return VTrace(vs=jax.lax.stop_gradient(vs), pg_advantages=jax.lax.stop_gradient(pg_advantages))
 
 
 class Losses(NamedTuple):
@@ -419,7 +392,7 @@ def impala_loss(params, rollout, args):
     """Summed over this learner's valid steps, not averaged: the IMPALA paper's loss is a sum over
     time and batch, and under RMSProp with epsilon 0.01 its scale matters (a mean's gradients
     are T x E times smaller, so epsilon swamps them). The learners' sums are added up."""
-    logits, values = apply(params, rollout.obs)  # [T+1, E, A], [T+1, E]
+    logits, values = apply(params, rollout.obs, args.network)  # [T+1, E, A], [T+1, E]
     logp_taken = log_prob(logits[:-1], rollout.actions)
     rhos = jnp.exp(logp_taken - log_prob(rollout.logits, rollout.actions))  # pi / mu, the lag's importance weights
     discounts = args.gamma * (1.0 - rollout.terminated)
@@ -428,105 +401,102 @@ def impala_loss(params, rollout, args):
     value_loss = 0.5 * jnp.sum(rollout.valid * (targets.vs - values[:-1]) ** 2)
     entropy_sum = jnp.sum(rollout.valid * entropy(logits[:-1]))
     loss = policy_loss + args.vf_coef * value_loss - args.ent_coef * entropy_sum
-    return loss, Losses(loss, policy_loss, value_loss, entropy_sum)
+    return loss, Losses(loss=loss, policy_loss=policy_loss, value_loss=value_loss, entropy=entropy_sum)
 
 
 # ---- Acting (actor devices): Python threads step the envs and run the policy ---------------
 
-@jax.jit
-def act(params, obs, key):
-    """Sample actions on the actor device; return them with what the learner needs of them."""
+@partial(jax.jit, static_argnames="network")
+def act(params, obs, key, network):
+    """Sample actions on the actor device, with what the learner needs of them."""
     key, sub = jax.random.split(key)
-    logits, _ = apply(params, obs)
+    logits, _ = apply(params, obs, network)
     actions = jax.random.categorical(sub, logits)
     return actions, logits, key
 
 
 class Rollout(NamedTuple):
-    """One actor thread's `--num-steps` transitions; split along E onto the learners."""
-    obs: np.ndarray  # [T + 1, E, *obs_shape] x_0..x_T; x_T bootstraps and starts the next rollout
+    """`--num-steps` transitions (collect first builds one a step, without T)."""
+    obs: np.ndarray  # [T + 1, E, *obs_shape] x_0..x_T; x_T bootstraps
     actions: np.ndarray  # [T, E]
-    logits: np.ndarray  # [T, E, A] of the behaviour policy mu (the actor's parameters)
+    logits: np.ndarray  # [T, E, A] of the behaviour policy mu
     rewards: np.ndarray  # [T, E]
-    terminated: np.ndarray  # [T, E] 1.0: the episode ended after step t, no bootstrap
-    valid: np.ndarray  # [T, E] 0.0: step t is the env's reset step after an episode's end
+    terminated: np.ndarray  # [T, E] 1.0: no bootstrap after step t
+    valid: np.ndarray  # [T, E] 0.0: step t is a reset step
 
 
-class ActorState(NamedTuple):
-    """What an actor thread carries from one step, and one rollout, to the next."""
+class ActorState(NamedTuple):  # carried from step to step
     obs: np.ndarray  # [E, *obs_shape] the observation to act on
     key: jax.Array  # on the actor device
-    ended: np.ndarray  # [E] obs is an episode's last: the next step is the env's reset step
-    game_return: np.ndarray  # [E] score of the game in progress (Atari: unclipped, all lives)
-    game_length: np.ndarray  # [E] agent steps of the game in progress
+    ended: np.ndarray  # [E] obs ends an episode: the next step resets
+    game_return: np.ndarray  # [E] of the game in progress (Atari: unclipped)
+    game_length: np.ndarray  # [E] its agent steps
 
 
-class ActorStats(NamedTuple):
-    returns: list  # whole games that ended during the rollout
+class ActorStats(NamedTuple):  # sent with each rollout
+    returns: list  # of the whole games that ended
     lengths: list
-    inference_time: float  # seconds per rollout in the policy, fetching its actions included
-    env_step_time: float  # seconds per rollout waiting for the envs' steps
-    rollout_time: float = 0.0  # seconds per rollout in all
-    lag: int = 0  # updates between the acting parameters and the learner's
-    actor_params_wait: float = 0.0  # seconds waiting for parameters recent enough
-    actor_queue_wait: float = 0.0  # seconds the previous rollout waited for room in the queue
+    lag: int  # updates between the acting parameters and the learner's
+    seconds: dict  # timings of the rollout
 
 
-def collect(groups, params, states, num_steps):
-    """Step each group of envs `num_steps` times with the policy, the groups taking turns: envpool steps one
-    group in its threads while the policy acts for the next. Only the actions leave the actor device each step.
-    Returns the Rollout (the groups' envs side by side), the groups' next ActorStates and ActorStats."""
-    steps, taken, states = [[] for _ in groups], [None] * len(groups), list(states)
-    returns, lengths, inference_s, env_s = [], [], 0.0, 0.0
-    for t in range(num_steps + 1):
-        for g, (envs, state) in enumerate(zip(groups, states)):
+def track_games(state, step, stats):
+    """The ActorState after `step`; the games it ended go to `stats`."""
+    # A reset step (after any episode's end, a life lost too) ignores the action: it is no step of a game.
+    played, over = ~state.ended, step.game_over
+    game_return, game_length = state.game_return + step.score, state.game_length + played
+    stats.returns.extend(game_return[over].tolist())
+    stats.lengths.extend(game_length[over].tolist())
+    return ActorState(obs=step.obs, key=state.key, ended=step.ended,
+                      game_return=np.where(over, 0.0, game_return), game_length=np.where(over, 0, game_length))
+
+
+def collect(args, groups, params, states, stats):
+    """Step each group of envs --num-steps times, the groups taking turns: envpool steps one while the policy
+    acts for the next. Only the actions leave the actor device each step. Returns the Rollout and ActorStates."""
+    steps, sent, states = [[] for _ in groups], [None] * len(groups), list(states)
+    for t in range(args.num_steps + 1):
+        for g, envs in enumerate(groups):
             if t > 0:  # the step this group sent at t - 1
-                obs, actions, logits = taken[g]
-                t0 = time.perf_counter()
-                step = env_step(envs, actions, sent=True)
-                env_s += time.perf_counter() - t0
-                steps[g].append(Rollout(obs, actions, logits, step.reward, step.terminated, ~state.ended))
-                # A reset step (after any episode end, a life lost included) ignores the action: no step of a game.
-                game_return, game_length = state.game_return + step.score, state.game_length + ~state.ended
-                returns += game_return[step.game_over].tolist()
-                lengths += game_length[step.game_over].tolist()
-                state = ActorState(step.obs, state.key, step.ended, np.where(step.game_over, 0.0, game_return),
-                                   np.where(step.game_over, 0, game_length))
-            if t < num_steps:
-                t0 = time.perf_counter()
-                actions, logits, key = act(params, state.obs, state.key)
-                actions = np.asarray(actions)
-                inference_s += time.perf_counter() - t0
+                obs, actions, logits = sent[g]
+                with timer(stats.seconds, "env_step_time"):
+                    step = env_step(envs, actions, sent=True)
+                steps[g].append(Rollout(obs=obs, actions=actions, logits=logits, rewards=step.reward,
+                                        terminated=step.terminated, valid=~states[g].ended))
+                states[g] = track_games(states[g], step, stats)
+            if t < args.num_steps:
+                with timer(stats.seconds, "inference_time"):
+                    actions, logits, key = act(params, states[g].obs, states[g].key, args.network)
+                    actions = np.asarray(actions)
                 env_send(envs, actions)
-                taken[g], state = (state.obs, actions, logits), state._replace(key=key)
-            states[g] = state
-    # What stayed on the actor device comes to the host in one go, then the groups go side by side: [T, E, ...]
+                sent[g], states[g] = (states[g].obs, actions, logits), states[g]._replace(key=key)
+    # The rest comes off the actor device in one go; the groups side by side: [T, E, ...]
     rollout = jax.tree.map(lambda *x: np.concatenate(x, axis=1), *[
         jax.tree.map(lambda *x: np.stack(jax.device_get(x)), *group_steps) for group_steps in steps])
     rollout = rollout._replace(obs=np.concatenate([rollout.obs, np.concatenate([s.obs for s in states])[None]]),
                                **{f: getattr(rollout, f).astype(np.float32) for f in ("terminated", "valid")})
-    return rollout, states, ActorStats(returns, lengths, inference_s, env_s)
+    return rollout, states
 
 
-def start_groups(args, index, device, first):
-    """Actor thread `index`'s groups of envs (one; two with --async-envs) and their first ActorStates."""
+def start_groups(args, index, device, start_update):
+    """Actor thread `index`'s groups of envs and their first ActorStates."""
     n = args.local_num_envs // env_groups(args)
     groups, states = [], []
-    for i in range(index * env_groups(args), (index + 1) * env_groups(args)):  # envs seed + i * n ...
+    for i in range(index * env_groups(args), (index + 1) * env_groups(args)):
         groups.append(make_envs(args, n, args.seed + i * n))
-        # Each group samples actions from its own stream, and a resumed run from new ones.
-        key = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(args.seed), first), 1 + i)
-        states.append(ActorState(env_reset(groups[-1]), jax.device_put(key, device), np.zeros(n, bool), np.zeros(n),
-                                 np.zeros(n, int)))
+        # Each group, and a resumed run, samples from its own stream.
+        key = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(args.seed), start_update), 1 + i)
+        states.append(ActorState(obs=env_reset(groups[-1]), key=jax.device_put(key, device), ended=np.zeros(n, bool),
+                                 game_return=np.zeros(n), game_length=np.zeros(n, int)))
     return groups, states
 
 
 class Stopped(Exception):
-    """The run is stopping (it ended, or an actor thread failed): whoever waits gives up."""
+    """The run is stopping: whoever waits gives up."""
 
 
 def until_stopped(op, stopping, *op_args):
-    """`q.put` or `q.get` on a bounded queue: wait, but raise Stopped once `stopping()`."""
+    """`q.put` or `q.get`, raising Stopped once `stopping()`."""
     while not stopping():
         try:
             return op(*op_args, timeout=0.5)
@@ -536,7 +506,7 @@ def until_stopped(op, stopping, *op_args):
 
 
 class ParamStore:
-    """The newest parameters on every actor device, and how many updates made them."""
+    """The newest parameters on every actor device, and their version (updates made)."""
 
     def __init__(self):
         self.cond, self.version, self.params = threading.Condition(), -1, None
@@ -546,8 +516,7 @@ class ParamStore:
             self.version, self.params = version, params
             self.cond.notify_all()
 
-    def wait(self, min_version, stop):
-        """(version, params) once version >= min_version."""
+    def wait(self, min_version, stop):  # -> (version, params) once version >= min_version
         with self.cond:
             while self.version < min_version:
                 if stop.is_set():
@@ -556,35 +525,47 @@ class ParamStore:
             return self.version, self.params
 
 
-def actor_loop(stop, args, index, device, learner_devices, store, out, first, num_updates):
-    """One actor thread (paper section 4): act on `device`, ship each rollout to the learners."""
-    groups, states = start_groups(args, index, device, first)
-    put_s = 0.0  # a rollout's queue wait is known only after it is sent: reported with the next
-    for u in range(first, num_updates):  # rollout u feeds update u + 1
-        start = time.perf_counter()
-        # Rollout u is collected while the learner works on rollout u - 1, so it may act with
-        # parameters version u - 1 (lag 1), which V-trace's importance weights correct for.
-        version, params = store.wait(u - 1, stop)
-        waited = time.perf_counter() - start
-        rollout, states, stats = collect(groups, params[device], states, args.num_steps)
-        splits = [np.split(x, len(learner_devices), axis=1) for x in rollout]  # each learner's envs
-        parts = [jax.device_put(Rollout(*(s[i] for s in splits)), d) for i, d in enumerate(learner_devices)]
-        stats = stats._replace(rollout_time=time.perf_counter() - start - waited, lag=u - version,
-                               actor_params_wait=waited, actor_queue_wait=put_s)
-        start = time.perf_counter()
-        until_stopped(out.put, stop.is_set, (parts, stats))
-        put_s = time.perf_counter() - start
+class Actor(NamedTuple):  # an actor thread's
+    index: int  # among all hosts' threads: seeds its envs
+    device: jax.Device
+    learner_devices: list  # this host's
+    store: ParamStore
+    out: queue.Queue  # bounded: (rollout parts, ActorStats)
+    stop: threading.Event  # set at the end or on a failure
+    errors: list  # tracebacks for main to print
+    start_update: int
+    num_updates: int
 
 
-def actor_thread(stop, errors, *args):
-    """An actor thread's body: a failure keeps its traceback for the learner to print and stops the run."""
+def actor_loop(args, actor):
+    """One actor thread (paper section 4): act, ship each rollout to the learners."""
+    groups, states = start_groups(args, actor.index, actor.device, actor.start_update)
+    queue_wait = 0.0  # reported with the next rollout
+    for u in range(actor.start_update, actor.num_updates):
+        seconds = defaultdict(float, actor_queue_wait=queue_wait)
+        # Rollout u feeds update u + 1 and may act with version u - 1 (lag 1): V-trace corrects for it.
+        with timer(seconds, "actor_params_wait"):
+            version, params = actor.store.wait(u - 1, actor.stop)
+        stats = ActorStats(returns=[], lengths=[], lag=u - version, seconds=seconds)
+        with timer(seconds, "rollout_time"):
+            rollout, states = collect(args, groups, params[actor.device], states, stats)
+            n = len(actor.learner_devices)  # a share of the envs each
+            parts = [jax.device_put(jax.tree.map(lambda x: np.split(x, n, axis=1)[i], rollout), d)
+                     for i, d in enumerate(actor.learner_devices)]
+        start = time.perf_counter()
+        until_stopped(actor.out.put, actor.stop.is_set, (parts, stats))
+        queue_wait = time.perf_counter() - start
+
+
+def actor_thread(args, actor):
+    """A failure stops the run; main prints its traceback."""
     try:
-        actor_loop(stop, *args)
+        actor_loop(args, actor)
     except Stopped:
         pass
     except BaseException:
-        errors.append(f"in thread {threading.current_thread().name}:\n{traceback.format_exc()}")
-        stop.set()
+        actor.errors.append(f"in thread {threading.current_thread().name}:\n{traceback.format_exc()}")
+        actor.stop.set()
 
 
 # ---- Learning (learner devices): one IMPALA update in one compiled call ---------------------
@@ -595,22 +576,22 @@ class TrainState(NamedTuple):
 
 
 def learning_rate(args, num_updates, update):
-    """The learning rate of update `update` (0 is the first): annealed linearly to 0 with --anneal-lr."""
+    """The learning rate of update `update` (0 is the first)."""
     return args.learning_rate * (1.0 - update / num_updates if args.anneal_lr else 1.0)
 
 
 def make_optimizer(args, num_updates):
     """RMSProp (decay 0.99, no momentum) with global-norm clipping, as in the IMPALA paper. Epsilon goes
-    outside the root, as in torchbeast's and Cleanba's RMSProp: inside it (optax's default) 0.01 floors the
-    denominator at 0.1, and the policy barely moves on Atari (README.md: IMPALA's RMSProp and network)."""
+    outside the root, as in torchbeast and Cleanba: inside (optax's default) 0.01 floors the denominator
+    at 0.1 and the policy barely moves on Atari."""
     lr = lambda count: learning_rate(args, num_updates, count)
     return optax.chain(optax.clip_by_global_norm(args.max_grad_norm),
                        optax.rmsprop(lr, decay=0.99, eps=args.rmsprop_eps, eps_in_sqrt=False))
 
 
-def init_state(key, args, env, num_updates):
-    params = init_params(key, env.obs_shape, env.num_actions, args.network)
-    return TrainState(params, make_optimizer(args, num_updates).init(params))
+def init_state(key, args, env_info, num_updates):
+    params = init_params(key, env_info.obs_shape, env_info.num_actions, args.network)
+    return TrainState(params=params, opt_state=make_optimizer(args, num_updates).init(params))
 
 
 def learner_update(state, rollout, args, optimizer):
@@ -620,15 +601,15 @@ def learner_update(state, rollout, args, optimizer):
     grads, losses, num_valid = jax.lax.psum((grads, losses, rollout.valid.sum()), "devices")
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     losses = jax.tree.map(lambda x: x / jnp.maximum(num_valid, 1.0), losses)
-    return TrainState(optax.apply_updates(state.params, updates), opt_state), losses
+    return TrainState(params=optax.apply_updates(state.params, updates), opt_state=opt_state), losses
 
 
 def make_update(args, mesh, num_updates):
-    """The learner: one update on every learner device of every host, one compiled call."""
-    update = partial(learner_update, args=args, optimizer=make_optimizer(args, num_updates))
-    # check_vma=False: parameters enter replicated (P()) and the body combines the devices' gradients
-    # itself (pmean or psum); with the check on, JAX would already have summed them across devices.
-    sharded = jax.shard_map(update, mesh=mesh, in_specs=(P(), P(None, "devices")), out_specs=(P(), P()),
+    """One update on every learner device of every host, one compiled call."""
+    body = partial(learner_update, args=args, optimizer=make_optimizer(args, num_updates))
+    # check_vma=False: the body sums the devices' gradients itself; with the check on, JAX would already
+    # have summed those of the replicated (P()) parameters.
+    sharded = jax.shard_map(body, mesh=mesh, in_specs=(P(), P(None, "devices")), out_specs=(P(), P()),
                             check_vma=False)
     return jax.jit(sharded)
 
@@ -639,7 +620,7 @@ class Layout(NamedTuple):
     actor_devices: list  # this host's
     learner_devices: list  # this host's, in mesh order
     mesh: Mesh  # the learner devices of every host, one axis "devices"
-    num_envs: int  # envs of every actor thread of every host
+    num_envs: int  # of all hosts
 
 
 def pick_devices(args):
@@ -657,24 +638,26 @@ def pick_devices(args):
     mesh = Mesh(np.array([host[i] for host in hosts for i in learners]), ("devices",))
     mine = hosts[jax.process_index()]
     num_envs = jax.process_count() * len(actors) * args.num_actor_threads * args.local_num_envs
-    return Layout([mine[i] for i in actors], [mine[i] for i in learners], mesh, num_envs)
+    return Layout(actor_devices=[mine[i] for i in actors], learner_devices=[mine[i] for i in learners], mesh=mesh,
+                  num_envs=num_envs)
 
 
-def start_actors(args, layout, store, stop, errors, first_update, num_updates):
-    """This host's actor threads, each with its own bounded queue (read by the learner in a fixed order)."""
-    queues = [queue.Queue(maxsize=1) for _ in range(len(layout.actor_devices) * args.num_actor_threads)]
+def start_actors(args, layout, store, stop, errors, start_update, num_updates):
+    """This host's actor threads, each with its own bounded queue."""
     devices = [d for d in layout.actor_devices for _ in range(args.num_actor_threads)]
-    first = jax.process_index() * len(queues)  # global thread indices: env seeds differ across hosts
-    threads = [threading.Thread(target=actor_thread, name=f"actor{first + i}", daemon=True, args=(
-        stop, errors, args, first + i, device, layout.learner_devices, store, q, first_update, num_updates))
-        for i, (device, q) in enumerate(zip(devices, queues))]
+    offset = jax.process_index() * len(devices)  # env seeds differ across hosts
+    actors = [Actor(index=offset + i, device=device, learner_devices=layout.learner_devices, store=store,
+                    out=queue.Queue(maxsize=1), stop=stop, errors=errors, start_update=start_update,
+                    num_updates=num_updates) for i, device in enumerate(devices)]
+    threads = [threading.Thread(target=actor_thread, args=(args, actor), name=f"actor{actor.index}", daemon=True)
+               for actor in actors]
     for t in threads:
         t.start()
-    return queues, threads
+    return [actor.out for actor in actors], threads
 
 
 def assemble(parts, layout):
-    """One global Rollout [T, all envs, ...] from the actor threads' parts on the learner devices."""
+    """One global Rollout [T, all envs, ...] from the actor threads' parts."""
     per_device = [jax.tree.map(lambda *x: jnp.concatenate(x, axis=1), *[p[i] for p in parts])
                   for i in range(len(layout.learner_devices))]
     sharding = NamedSharding(layout.mesh, P(None, "devices"))
@@ -697,23 +680,22 @@ def to_actors(params, layout):
 
 # ---- The learner loop (main thread): rollouts in, updates, parameters out ----------------
 
-class Loop(NamedTuple):
-    """What the learner loop works with besides its state."""
+class Loop(NamedTuple):  # the learner loop's
     layout: Layout
-    update: object  # the compiled learner update
-    queues: list  # one bounded queue per local actor thread
+    update_fn: object  # make_update's
+    queues: list  # one per local actor thread
     store: ParamStore
-    stop: threading.Event  # set by a failing actor thread, and at the end
-    caught: list  # stop signals caught (catch_stop_signals)
+    stop: threading.Event
+    caught: list  # stop signals (catch_stop_signals)
     run: "Run"  # the run folder (plumbing)
-    first: int  # the update this run starts after (a resumed checkpoint's)
-    num_updates: int  # the update it ends with
+    start_update: int  # the update this run starts after (a resumed run's)
+    num_updates: int
     batch: int  # steps per update
-    start: float  # time.perf_counter() at the start
+    start: float  # time.perf_counter()
 
 
 def receive(loop):
-    """Every local actor thread's next (rollout parts, ActorStats); None once a stop signal is caught."""
+    """Every local actor thread's (rollout parts, ActorStats); None once a stop signal is caught."""
     try:
         return [until_stopped(q.get, lambda: loop.stop.is_set() or bool(loop.caught)) for q in loop.queues]
     except Stopped:
@@ -723,77 +705,38 @@ def receive(loop):
 
 
 def learn(args, loop, state):
-    """Update u learns from rollout u - 1 and publishes parameters version u to the actors.
-    Returns the state and the last metrics row."""
-    window, row, first = new_window(), {}, loop.first
-    for update in range(first + 1, loop.num_updates + 1):
-        with timer(window.learner_queue_wait):
-            rollouts = receive(loop)
-        safe_point(loop.caught, update - 1, loop.run, partial(checkpoint, args, loop, state, update - 1),
-                   due=update - 1 > first and (update - 1) % args.checkpoint_every == 0)
-        with timer(window.learner_time):
-            state, losses = loop.update(state, assemble([parts for parts, _ in rollouts], loop.layout))
+    """Receive rollouts, update, publish the parameters, report. Returns the state and the last metrics row."""
+    window, row = new_window(), {}
+    for update in range(loop.start_update + 1, loop.num_updates + 1):
+        seconds = defaultdict(float)
+        with timer(seconds, "learner_queue_wait"):
+            received = receive(loop)
+        done = update - 1  # the safe point: a checkpoint when due; on a stop signal, exit
+        safe_point(loop.caught, done, loop.run, partial(checkpoint, args, loop, state, done),
+                   due=done > loop.start_update and done % args.checkpoint_every == 0)
+        with timer(seconds, "learner_time"):
+            state, losses = loop.update_fn(state, assemble([parts for parts, _ in received], loop.layout))
             loop.store.publish(update, to_actors(state.params, loop.layout))
             losses = jax.device_get(local(losses))
         check_finite(losses._asdict(), update, loop.run)
         window.losses.append(losses)
-        window.actors.extend(stats for _, stats in rollouts)
-        if update % args.log_every == 0 or update in (first + 1, loop.num_updates):
+        window.learner.append(seconds)
+        window.actors.extend(stats for _, stats in received)
+        if update % args.log_every == 0 or update in (loop.start_update + 1, loop.num_updates):
             row, window = report(args, loop, window, update), new_window()
     return state, row
 
 
-class Window(NamedTuple):
-    """What the learner saw since the last log line."""
-    start: float
-    actors: list  # ActorStats of every rollout
-    losses: list  # Losses of every update
-    learner_queue_wait: list  # seconds waiting for each update's rollouts
-    learner_time: list  # seconds per update, publishing the parameters included
-
-
-def new_window():
-    return Window(time.perf_counter(), [], [], [], [])
-
-
-@contextlib.contextmanager
-def timer(seconds):
-    """Append the seconds the `with` block takes to the list `seconds`."""
-    start = time.perf_counter()
-    yield
-    seconds.append(time.perf_counter() - start)
-
-
-def report(args, loop, window, update):
-    """Log a metrics row (CleanRL's names) for the window; returns it."""
-    mean = lambda xs: float(np.mean(xs))
-    stats, last = window.actors, loop.num_updates
-    row = {"global_step": update * loop.batch, "update": update,
-           "charts/SPS": len(window.learner_time) * loop.batch / (time.perf_counter() - window.start),
-           "charts/learning_rate": learning_rate(args, last, update - 1),  # the last update's
-           "stats/param_lag": max(s.lag for s in stats),
-           **{f"losses/{k}": mean(v) for k, v in zip(Losses._fields, zip(*window.losses))},
-           **{f"stats/{k}": mean([getattr(s, k) for s in stats])
-              for k in ("rollout_time", "inference_time", "env_step_time", "actor_params_wait", "actor_queue_wait")},
-           **{f"stats/{k}": mean(getattr(window, k)) for k in ("learner_queue_wait", "learner_time")}}
-    if returns := [r for s in stats for r in s.returns]:
-        row["charts/episodic_return"] = mean(returns)
-        row["charts/episodic_length"] = mean([n for s in stats for n in s.lengths])
-    eta = (time.perf_counter() - loop.start) / (update - loop.first) * (last - update)
-    log(loop.run, row, last, last * loop.batch, eta)
-    return row
-
-
 def checkpoint(args, loop, state, update):
-    """Process 0 fetches the replicated state (the others would only pay the transfer) and saves it."""
+    """Process 0 fetches the replicated state and saves it (the others would only pay the transfer)."""
     if loop.run.checkpoint is not None:
         save(loop.run, {"state": jax.device_get(local(state)), "update": np.int64(update),
                         "global_step": np.int64(update * loop.batch)}, args)
 
 
-def initial_state(args, env, layout, batch):
-    """The TrainState on every learner device of every host, fresh or --resume's, and the update it starts after."""
-    init = partial(init_state, jax.random.PRNGKey(args.seed), args, env, args.total_timesteps // batch)
+def initial_state(args, env_info, layout, batch):
+    """The TrainState on every learner device, fresh or --resume's, and the update it starts after."""
+    init = partial(init_state, jax.random.PRNGKey(args.seed), args, env_info, args.total_timesteps // batch)
     template = {"state": jax.eval_shape(init), "update": np.int64(0), "global_step": np.int64(0)}
     ckpt = load(args, template, batch, "a checkpoint of sebulba_impala.py?") if args.resume else None
     replicated = NamedSharding(layout.mesh, P())
@@ -802,26 +745,66 @@ def initial_state(args, env, layout, batch):
     return state, int(ckpt["update"]) if ckpt else 0
 
 
+# ---- The metrics: CleanRL's names and Cleanba's timing scalars -----------------------------
+
+class Window(NamedTuple):  # since the last metrics row
+    start: float  # time.perf_counter()
+    actors: list  # ActorStats of every rollout
+    losses: list  # Losses of every update
+    learner: list  # timings of every update
+
+
+def new_window():
+    return Window(start=time.perf_counter(), actors=[], losses=[], learner=[])
+
+
+@contextlib.contextmanager
+def timer(seconds, name):
+    """Add the seconds the `with` block takes to seconds[name]."""
+    start = time.perf_counter()
+    yield
+    seconds[name] += time.perf_counter() - start
+
+
+def report(args, loop, window, update):
+    """Log the window's means as a metrics row; returns it."""
+    mean = lambda xs: float(np.mean(xs))
+    row = {"global_step": update * loop.batch, "update": update,
+           "charts/SPS": len(window.losses) * loop.batch / (time.perf_counter() - window.start),
+           "charts/learning_rate": learning_rate(args, loop.num_updates, update - 1),  # the last update's
+           "stats/param_lag": max(s.lag for s in window.actors),
+           **{f"losses/{k}": mean(v) for k, v in zip(Losses._fields, zip(*window.losses))},
+           **{f"stats/{k}": mean([s.seconds[k] for s in window.actors]) for k in window.actors[0].seconds},
+           **{f"stats/{k}": mean([seconds[k] for seconds in window.learner]) for k in window.learner[0]}}
+    if returns := [r for s in window.actors for r in s.returns]:
+        row["charts/episodic_return"] = mean(returns)
+        row["charts/episodic_length"] = mean([n for s in window.actors for n in s.lengths])
+    eta = (time.perf_counter() - loop.start) / (update - loop.start_update) * (loop.num_updates - update)
+    log(loop.run, row, loop.num_updates, loop.num_updates * loop.batch, eta)
+    return row
+
+
 # ---- This script's flags ------------------------------------------------------------------
 
 def check_args(args):
-    """Flag checks, before any env is stepped; returns the args and the env's EnvInfo."""
-    env = describe_env(args.env_id, args.machado)
-    if args.network is None and len(env.obs_shape) == 3 and not args.distributed and jax.default_backend() == "cpu":
+    """Flag checks; returns the args, their defaults filled in, and the EnvInfo."""
+    env_info = describe_env(args.env_id, args.machado)
+    image = len(env_info.obs_shape) == 3
+    if args.network is None and image and not args.distributed and jax.default_backend() == "cpu":
         say("note: on CPUs --network shallow runs ~16x faster than the default deep ResNet, which needs far fewer "
             "steps on Pong (README.md: Speed, IMPALA's RMSProp and network)")
-    family = DEFAULTS["image" if len(env.obs_shape) == 3 else "vector"]
+    family = DEFAULTS["image" if image else "vector"]
     args = dataclasses.replace(args, **{k: v for k, v in family.items() if getattr(args, k) is None})
     check_flags(args, unit=("gamma", "vtrace_lambda"), positive=("learning_rate", "rmsprop_eps"))
-    if (args.network == "mlp") != (len(env.obs_shape) == 1):
-        fail(f"--network {args.network} does not fit observations of shape {env.obs_shape} (vectors take mlp, "
+    if (args.network == "mlp") == image:
+        fail(f"--network {args.network} does not fit observations of shape {env_info.obs_shape} (vectors take mlp, "
              "images deep or shallow)")
-    if args.network == "shallow" and min(env.obs_shape[1:]) < 20:
-        fail(f"--network shallow takes images of at least 20x20, not observations of shape {env.obs_shape}")
-    return args, env
+    if args.network == "shallow" and min(env_info.obs_shape[1:]) < 20:
+        fail(f"--network shallow takes images of at least 20x20, not observations of shape {env_info.obs_shape}")
+    return args, env_info
 
 
-def check_sizes(args, layout, env):
+def check_sizes(args, layout, env_info):
     """Counts that must divide or fit; returns the steps of one update."""
     n_learners = len(layout.learner_devices)
     if args.local_num_envs % n_learners:
@@ -829,9 +812,9 @@ def check_sizes(args, layout, env):
     if args.local_num_envs % env_groups(args):
         fail(f"--local-num-envs {args.local_num_envs} must be even with --async-envs (two halves take turns)")
     check_seed(args.seed, 2**31 - layout.num_envs + 1)  # env i of the run is seeded with seed + i
-    # Each actor thread holds a rollout it collects, one in its queue and one being learned from.
+    # Each actor thread's rollouts: one collected, one queued, one learned from.
     threads = len(layout.actor_devices) * args.num_actor_threads
-    obs_bytes = np.prod(env.obs_shape) * (1 if env.atari else 4)  # uint8 frames, else floats
+    obs_bytes = np.prod(env_info.obs_shape) * (1 if env_info.atari else 4)  # uint8 frames, else floats
     check_fits(3 * threads * (args.num_steps + 1) * args.local_num_envs * obs_bytes,
                f"the rollouts of {threads} actor threads x --local-num-envs {args.local_num_envs}")
     batch = args.num_steps * layout.num_envs
@@ -845,22 +828,23 @@ def check_sizes(args, layout, env):
 
 def main(args):
     caught = catch_stop_signals()
-    args, env = check_args(args)
+    args, env_info = check_args(args)
     start_distributed(args, caught)
     layout = pick_devices(args)
-    batch = check_sizes(args, layout, env)
+    batch = check_sizes(args, layout, env_info)
     num_updates = args.total_timesteps // batch
-    state, first = initial_state(args, env, layout, batch)
+    state, start_update = initial_state(args, env_info, layout, batch)
     run = open_run(args)
     stop, store, errors = threading.Event(), ParamStore(), []
-    store.publish(first, to_actors(state.params, layout))
-    queues, threads = start_actors(args, layout, store, stop, errors, first, num_updates)
-    say(f"{args.env_id}: {num_updates - first} updates of {batch:,} steps; actor devices "
+    store.publish(start_update, to_actors(state.params, layout))
+    queues, threads = start_actors(args, layout, store, stop, errors, start_update, num_updates)
+    say(f"{args.env_id}: {num_updates - start_update} updates of {batch:,} steps; actor devices "
         f"{[d.id for d in layout.actor_devices]} x {args.num_actor_threads} threads x {args.local_num_envs} envs; "
         f"learner devices {[d.id for d in layout.learner_devices]} ({layout.mesh.size} on {jax.process_count()} "
         "host(s))")
-    loop = Loop(layout, make_update(args, layout.mesh, num_updates), queues, store, stop, caught, run, first,
-                num_updates, batch, time.perf_counter())
+    loop = Loop(layout=layout, update_fn=make_update(args, layout.mesh, num_updates), queues=queues, store=store,
+                stop=stop, caught=caught, run=run, start_update=start_update, num_updates=num_updates, batch=batch,
+                start=time.perf_counter())
     try:
         state, row = learn(args, loop, state)
     except Stopped:  # an actor thread failed: its traceback, then exit status 1

@@ -214,11 +214,12 @@ def sebulba_game(module, args, params, opts):
     """The script's envs (make_envs, env_reset, env_step) and its `act`, or the arg-max of its `apply`.
     For a GIF of Atari, a twin of env 0 in colour: the same game (same seed, same actions), other frames."""
     envs, twin = module.make_envs(args, opts.episodes, opts.seed), None
-    if opts.gif and envs.env.atari:
+    if opts.gif and envs.env_info.atari:
         twin = envpool.make(args.env_id, env_type="gymnasium", num_envs=1, seed=opts.seed, gray_scale=False,
                             img_height=210, img_width=160, stack_num=1, **module.atari_kwargs(args.machado))
-    argmax = jax.jit(lambda params, obs, key: (jnp.argmax(module.apply(params, obs)[0], -1), key))
-    act = argmax if opts.greedy else module.act
+    network = {"network": args.network} if hasattr(args, "network") else {}  # sebulba_impala's apply takes it
+    argmax = jax.jit(lambda params, obs, key: (jnp.argmax(module.apply(params, obs, **network)[0], -1), key))
+    act = argmax if opts.greedy else partial(module.act, **network)
 
     def step(now):
         actions, *_, key = act(params, now.obs, now.key)

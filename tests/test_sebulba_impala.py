@@ -5,6 +5,8 @@ and --machado, two hosts, faults, Ctrl-C and resume, bad input."""
 
 import signal
 import time
+from collections import defaultdict
+from functools import partial
 
 import numpy as np
 import pytest
@@ -165,10 +167,10 @@ def test_impala_loss_pieces_are_sums_over_valid_steps_matching_numpy(impala):
         obs=rng.normal(size=(T + 1, B, 5)).astype(np.float32), actions=rng.integers(0, A, (T, B)).astype(np.int32),
         logits=rng.normal(size=(T, B, A)).astype(np.float32), rewards=rng.normal(size=(T, B)).astype(np.float32),
         terminated=terminated.astype(np.float32), valid=valid.astype(np.float32))
-    args = impala.Args(gamma=gamma, vtrace_lambda=lam, vf_coef=vf_coef, ent_coef=ent_coef)
+    args = impala.Args(gamma=gamma, vtrace_lambda=lam, vf_coef=vf_coef, ent_coef=ent_coef, network="mlp")
     _, info = jax.jit(lambda params, batch: impala.impala_loss(params, batch, args))(params, batch)
 
-    logits, values = (np.asarray(x, np.float64) for x in impala.apply(params, batch.obs))
+    logits, values = (np.asarray(x, np.float64) for x in impala.apply(params, batch.obs, "mlp"))
     logp = logits[:-1] - np.log(np.exp(logits[:-1]).sum(-1, keepdims=True))
     mu = batch.logits - np.log(np.exp(batch.logits).sum(-1, keepdims=True))
     taken = lambda x: np.take_along_axis(x, batch.actions[..., None], -1)[..., 0]  # noqa: E731
@@ -187,11 +189,12 @@ def test_image_observations_get_the_impala_resnet(impala):
 
     # Shapes only (eval_shape): the ResNet's arithmetic is XLA's own convolution and pooling.
     params = jax.eval_shape(lambda key: impala.init_params(key, (4, 84, 84), 6, "deep"), jax.random.key(0))
-    torso = params["torso"]["deep"]
+    torso = params["torso"]
     assert [torso[f"stack{i}"]["conv"]["w"].shape[-1] for i in range(3)] == [16, 32, 32]
     assert [sorted(torso[f"stack{i}"]) for i in range(3)] == [["block0", "block1", "conv"]] * 3
     assert torso["dense"]["w"].shape == (11 * 11 * 32, 256)  # 84 -> 42 -> 21 -> 11 after three pools
-    logits, value = jax.eval_shape(impala.apply, params, jax.ShapeDtypeStruct((3, 2, 4, 84, 84), np.uint8))
+    logits, value = jax.eval_shape(partial(impala.apply, network="deep"), params,
+                                   jax.ShapeDtypeStruct((3, 2, 4, 84, 84), np.uint8))
     assert logits.shape == (3, 2, 6) and value.shape == (3, 2)
 
 
@@ -199,11 +202,12 @@ def test_shallow_network_is_the_papers_two_conv_cnn(impala):
     import jax
 
     params = jax.eval_shape(lambda key: impala.init_params(key, (4, 84, 84), 6, "shallow"), jax.random.key(0))
-    torso = params["torso"]["shallow"]
+    torso = params["torso"]
     assert torso["conv0"]["w"].shape == (8, 8, 4, 16) and torso["conv1"]["w"].shape == (4, 4, 16, 32)
     assert torso["dense"]["w"].shape == (9 * 9 * 32, 256)  # 84 -> 20 -> 9, no padding
     assert sorted(torso) == ["conv0", "conv1", "dense"]
-    logits, value = jax.eval_shape(impala.apply, params, jax.ShapeDtypeStruct((3, 2, 4, 84, 84), np.uint8))
+    logits, value = jax.eval_shape(partial(impala.apply, network="shallow"), params,
+                                   jax.ShapeDtypeStruct((3, 2, 4, 84, 84), np.uint8))
     assert logits.shape == (3, 2, 6) and value.shape == (3, 2)
 
 
@@ -292,12 +296,14 @@ def test_episode_scores_are_unclipped_and_span_the_whole_game(impala, async_envs
 
     # Space Invaders pays 5-30 points per alien and has 3 lives: clipping and life loss show.
     n, steps = 2, 1500
-    args = impala.Args(env_id="SpaceInvaders-v5", seed=3, local_num_envs=n, async_envs=async_envs)
+    args = impala.Args(env_id="SpaceInvaders-v5", seed=3, local_num_envs=n, async_envs=async_envs, num_steps=steps,
+                       network="shallow")
     env = impala.describe_env(args.env_id, False)
     params = impala.init_params(jax.random.PRNGKey(0), env.obs_shape, env.num_actions, "shallow")
     groups, states = impala.start_groups(args, 0, jax.devices()[0], 0)
     assert len(groups) == (2 if async_envs else 1)
-    rollout, _, stats = impala.collect(groups, params, states, steps)
+    stats = impala.ActorStats(returns=[], lengths=[], lag=0, seconds=defaultdict(float))
+    rollout, _ = impala.collect(args, groups, params, states, stats)
     replay = envpool.make(args.env_id, env_type="gymnasium", num_envs=n, seed=3, **impala.atari_kwargs(False))
     replay.reset()
     score, clipped, life_losses, games = np.zeros(n), np.zeros(n), np.zeros(n, int), []
@@ -329,7 +335,7 @@ def test_machado_atari_run_resets_steps_and_learns_with_the_shallow_network(tmp_
     assert [row["global_step"] for row in result.metrics] == [16, 32]
     finite_losses(result)
     with np.load(result.run_dir / "checkpoint.npz", allow_pickle=False) as data:
-        assert data["state/params/torso/shallow/conv0/w"].shape == (8, 8, 4, 16)
+        assert data["state/params/torso/conv0/w"].shape == (8, 8, 4, 16)
         assert data["state/params/policy/w"].shape == (256, 18)  # the full action set
 
 

@@ -4,6 +4,7 @@ against the original env, device layouts, two hosts, faults, bad input and resum
 import hashlib
 import signal
 import time
+from collections import defaultdict
 from functools import partial
 
 import numpy as np
@@ -206,11 +207,12 @@ def test_collect_returns_unclipped_whole_game_scores_and_marks_autoreset_steps(p
     """Replays the rollout's actions in a fresh env and scores the games independently."""
     import jax
 
-    args = ppo.Args(seed=7, local_num_envs=2, async_envs=async_envs)
+    args = ppo.Args(seed=7, local_num_envs=2, async_envs=async_envs, num_steps=600)
     params = ppo.init_params(jax.random.PRNGKey(0), (4, 84, 84), 4)
     groups, states = ppo.start_groups(args, 0, jax.devices()[0], 0)
     assert len(groups) == (2 if async_envs else 1)
-    rollout, _, stats = ppo.collect(groups, params, states, 600)
+    stats = ppo.ActorStats(returns=[], lengths=[], lag=0, seconds=defaultdict(float))
+    rollout, _ = ppo.collect(args, groups, params, states, stats)
     assert rollout.values.shape == (601, 2) and rollout.obs.shape == (600, 2, 4, 84, 84)
 
     replay = ppo.make_envs(args, 2, seed=7).pool
