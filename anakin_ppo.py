@@ -686,10 +686,10 @@ def check_fits(num_bytes, what, devices=(), run=None):
     if memory is None:  # the host's memory, shared by all its devices
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         num_bytes *= max(1, len(devices))
-    if num_bytes > memory and run is not None and run.folder is not None:  # made just before: remove it
-        run.events.close()
-        shutil.rmtree(run.folder, ignore_errors=True)
     if num_bytes > memory:
+        if run is not None and run.folder is not None:  # made just before: remove it
+            run.events.close()
+            shutil.rmtree(run.folder, ignore_errors=True)
         fail(f"{what} would need {num_bytes / 2**30:,.1f} GiB, more than the {memory / 2**30:,.1f} GiB here")
 
 
