@@ -65,64 +65,35 @@ from tensorboardX.summary import scalar
 
 @dataclass
 class Args:
-    env_id: str = "CartPole-v1"
-    """CartPole-v1 (discrete actions) or Pendulum-v1 (continuous)"""
-    seed: int = 1
-    """seeds everything; agent i of --num-seeds draws from (seed, i)"""
-    num_seeds: int = 1
-    """independent agents trained side by side in one program (vmap)"""
-    # None: the env's value in DEFAULTS
-    total_timesteps: int | None = None
-    """env steps of one agent, all devices and hosts (None: CartPole-v1 500_000, Pendulum-v1 1_000_000)"""
-    learning_rate: float | None = None
-    """Adam step size (None: CartPole-v1 2.5e-4, Pendulum-v1 1e-3)"""
-    anneal_lr: bool = True
-    """decay the step size linearly to zero"""
-    num_envs_per_device: int | None = None
-    """envs of each agent on each device (None: CartPole-v1 4, Pendulum-v1 32)"""
-    num_devices: int | None = None
-    """devices used on each host (None: all)"""
-    num_steps: int | None = None
-    """rollout length per env (None: CartPole-v1 128, Pendulum-v1 128)"""
-    update_epochs: int | None = None
-    """passes over each rollout (None: CartPole-v1 4, Pendulum-v1 10)"""
-    num_minibatches: int | None = None
-    """minibatches per epoch, on each device (None: CartPole-v1 4, Pendulum-v1 32)"""
-    gamma: float | None = None
-    """discount factor (None: CartPole-v1 0.99, Pendulum-v1 0.95)"""
-    gae_lambda: float = 0.95
-    """GAE's lambda"""
-    clip_coef: float = 0.2
-    """PPO's ratio (and value) clip range"""
-    clip_vloss: bool | None = None
-    """clip the value loss around the old values (None: CartPole-v1 True, Pendulum-v1 False)"""
-    ent_coef: float | None = None
-    """entropy bonus coefficient (None: CartPole-v1 0.01, Pendulum-v1 0.0)"""
-    vf_coef: float = 0.5
-    """value loss coefficient"""
-    max_grad_norm: float = 0.5
-    """global-norm gradient clip"""
-    log_every: int = 50
-    """updates per compiled call, with one log line each"""
-    checkpoint_every: int = 500
-    """updates between checkpoints, at the next log line (and one at the end)"""
-    # For the plumbing appendix only
-    exp_name: str = Path(__file__).stem
-    """part of the run folder's name"""
-    run_dir: str = "runs"
-    """parent folder of run folders"""
-    resume: str | None = None
-    """checkpoint.npz to continue from, with the same flags, up to --total-timesteps"""
-    distributed: bool = False
-    """call jax.distributed.initialize() for a multi-host run"""
-    coordinator_address: str | None = None
-    """host:port of process 0 (JAX finds it on SLURM, Cloud TPU, Kubernetes)"""
-    num_processes: int | None = None
-    """number of processes (multi-host)"""
-    process_id: int | None = None
-    """index of this process (multi-host)"""
-    peer_timeout: int = 300
-    """seconds to wait for all processes to join"""
+    env_id: str = "CartPole-v1"  # CartPole-v1 (discrete actions) or Pendulum-v1 (continuous)
+    seed: int = 1  # seeds everything; agent i of --num-seeds draws from (seed, i)
+    num_seeds: int = 1  # independent agents trained side by side in one program (vmap)
+    total_timesteps: int | None = None  # env steps of one agent (None: CartPole-v1 500_000, Pendulum-v1 1_000_000)
+    learning_rate: float | None = None  # Adam step size (None: CartPole-v1 2.5e-4, Pendulum-v1 1e-3)
+    anneal_lr: bool = True  # decay the step size linearly to zero
+    num_envs_per_device: int | None = None  # envs of each agent on each device (None: CartPole-v1 4, Pendulum-v1 32)
+    num_devices: int | None = None  # devices used on each host (None: all)
+    num_steps: int | None = None  # rollout length per env (None: CartPole-v1 128, Pendulum-v1 128)
+    update_epochs: int | None = None  # passes over each rollout (None: CartPole-v1 4, Pendulum-v1 10)
+    num_minibatches: int | None = None  # minibatches per epoch on each device (None: CartPole-v1 4, Pendulum-v1 32)
+    gamma: float | None = None  # discount factor (None: CartPole-v1 0.99, Pendulum-v1 0.95)
+    gae_lambda: float = 0.95  # GAE's lambda
+    clip_coef: float = 0.2  # PPO's ratio (and value) clip range
+    clip_vloss: bool | None = None  # clip the value loss around old values (None: CartPole-v1 True, Pendulum-v1 False)
+    ent_coef: float | None = None  # entropy bonus coefficient (None: CartPole-v1 0.01, Pendulum-v1 0.0)
+    vf_coef: float = 0.5  # value loss coefficient
+    max_grad_norm: float = 0.5  # global-norm gradient clip
+    log_every: int = 50  # updates per compiled call, with one log line each
+    checkpoint_every: int = 500  # updates between checkpoints, at the next log line (and one at the end)
+    # Read by the plumbing appendix only: the run folder, resuming, a multi-host start.
+    exp_name: str = Path(__file__).stem  # experiment name, part of the run folder's name
+    run_dir: str = "runs"  # parent folder of run folders
+    resume: str | None = None  # checkpoint.npz to continue from, with the same flags, up to --total-timesteps
+    distributed: bool = False  # call jax.distributed.initialize() for a multi-host run
+    coordinator_address: str | None = None  # host:port of process 0 (JAX finds it on SLURM, Cloud TPU, Kubernetes)
+    num_processes: int | None = None  # number of processes (multi-host)
+    process_id: int | None = None  # index of this process (multi-host)
+    peer_timeout: int = 300  # seconds to wait for all processes to join
 
 
 # CartPole: CleanRL's. Pendulum: rl-zoo's, gamma 0.95 (a swing-up takes ~100 steps), no value clip.
