@@ -26,7 +26,6 @@ Examples:
 
 import contextlib
 import dataclasses
-import difflib
 import errno
 import hashlib
 import itertools
@@ -173,7 +172,6 @@ class EnvState(NamedTuple):
     inner: jax.Array  # the env's own state
     t: jax.Array  # steps in this episode (int32)
     ep_return: jax.Array  # of the episode so far
-    ep_length: jax.Array
 
 
 class Step(NamedTuple):
@@ -188,7 +186,7 @@ class Step(NamedTuple):
 
 def env_reset(env, key):
     inner = env.reset(key)
-    return EnvState(inner=inner, t=jnp.int32(0), ep_return=jnp.float32(0), ep_length=jnp.int32(0)), env.observe(inner)
+    return EnvState(inner=inner, t=jnp.int32(0), ep_return=jnp.float32(0)), env.observe(inner)
 
 
 def env_step(env, env_state, action, fresh):
@@ -199,7 +197,7 @@ def env_step(env, env_state, action, fresh):
     done = terminated | truncated
     final_obs = env.observe(inner)
     fresh_state, first_obs = fresh
-    going_on = EnvState(inner=inner, t=t, ep_return=ep_return, ep_length=t)
+    going_on = EnvState(inner=inner, t=t, ep_return=ep_return)
     env_state = jax.tree.map(lambda a, b: jnp.where(done, a, b), fresh_state, going_on)
     step = Step(obs=jnp.where(done, first_obs, final_obs), final_obs=final_obs, reward=reward, terminated=terminated,
                 truncated=truncated, ep_return=jnp.where(done, ep_return, 0.0), ep_length=jnp.where(done, t, 0))
@@ -272,9 +270,8 @@ def entropy(params, out):
 # ---- The loss: GAE (Schulman et al. 2016) and PPO's clipped objective (2017)
 
 def gae(rewards, values, next_values, terminated, done, gamma, lam):
-    """Advantages and value targets [T, B]. Only a termination zeroes the bootstrap `next_values` (V of the
-    obs an action led to, before any reset), not a time-limit cut as in many JAX PPOs; any end (`done`) stops
-    the lambda-chain."""
+    """Advantages and value targets [T, B]. Only a termination zeroes the bootstrap `next_values` (V of the obs
+    an action led to), not a time-limit cut as in many JAX PPOs; any end (`done`) stops the lambda-chain."""
     deltas = rewards + gamma * next_values * (1.0 - terminated) - values
 
     def backward(adv_next, x):
@@ -377,13 +374,6 @@ def learning_rate(args, num_updates, update_index):
     return args.learning_rate * (1.0 - update_index / num_updates if args.anneal_lr else 1.0)
 
 
-def init_state(key, params, args, env, num_envs):
-    k_envs, k_run = jax.random.split(key)
-    env_state, obs = jax.vmap(lambda k: env_reset(env, k))(jax.random.split(k_envs, num_envs))
-    return TrainState(params=params, opt_state=make_optimizer(args).init(params), env_state=env_state, obs=obs,
-                      key=k_run)
-
-
 def rollout(params, env_state, obs, k_act, k_reset, args, env):
     """Act for `num_steps` in every env of this device."""
     num_envs = obs.shape[0]
@@ -405,11 +395,6 @@ def rollout(params, env_state, obs, k_act, k_reset, args, env):
     return env_state, obs, traj
 
 
-def critic_values(params, traj):
-    """V of the obs seen and of the obs the actions led to, [T, E] each, in one pass."""
-    return mlp(params["critic"], jnp.stack([traj.obs, traj.step.final_obs]))[..., 0]
-
-
 def permutations(key, num, n):
     """`num` random permutations of range(n), [num, n]: sorts by keys of `words` uint32s, the row index in the
     last one's low bits. Ties would keep time order: 2 log2(n) + 32 random bits make them rarer than 2^-33."""
@@ -420,15 +405,8 @@ def permutations(key, num, n):
     return (jax.lax.sort(keys, num_keys=words)[-1] & ((1 << bits) - 1)).astype(jnp.int32)
 
 
-def shuffled_minibatches(key, batch, args):
-    """Each epoch's shuffle, as minibatches [epochs x minibatches, rows / minibatches, ...]."""
-    n = batch.obs.shape[0]
-    order = permutations(key, args.update_epochs, n).reshape(-1)
-    return jax.tree.map(lambda x: x[order].reshape(-1, n // args.num_minibatches, *x.shape[1:]), batch)
-
-
-def gradient_steps(params, opt_state, minibatches, lr, args):
-    """One step per minibatch, with the mean gradient of all devices."""
+def gradient_steps(params, opt_state, batch, key, lr, args):
+    """Epochs over the rows of `batch`, shuffled: a step a minibatch, with the mean gradient of all devices."""
     def sgd_step(carry, minibatch):
         params, opt_state = carry
         grads, losses = jax.grad(ppo_loss, has_aux=True)(params, minibatch, args)
@@ -437,6 +415,9 @@ def gradient_steps(params, opt_state, minibatches, lr, args):
         params = jax.tree.map(lambda p, u: p - lr * u, params, updates)
         return (params, opt_state), losses
 
+    n = len(batch.obs)
+    order = permutations(key, args.update_epochs, n).reshape(-1)  # epoch after epoch
+    minibatches = jax.tree.map(lambda x: x[order].reshape(-1, n // args.num_minibatches, *x.shape[1:]), batch)
     (params, opt_state), losses = jax.lax.scan(sgd_step, (params, opt_state), minibatches)
     return params, opt_state, losses
 
@@ -446,15 +427,15 @@ def update(state, lr, args, env):
     key, k_device = jax.random.split(state.key)
     k_act, k_reset, k_perm = jax.random.split(jax.random.fold_in(k_device, jax.lax.axis_index("devices")), 3)
     env_state, obs, traj = rollout(state.params, state.env_state, state.obs, k_act, k_reset, args, env)
-    values, next_values = critic_values(state.params, traj)
+    # V of the obs seen and of the obs the actions led to, [T, E] each, in one pass.
+    values, next_values = mlp(state.params["critic"], jnp.stack([traj.obs, traj.step.final_obs]))[..., 0]
     done = (traj.step.terminated | traj.step.truncated).astype(jnp.float32)
     advantages, targets = gae(traj.step.reward, values, next_values, traj.step.terminated.astype(jnp.float32), done,
                               args.gamma, args.gae_lambda)
     batch = Batch(obs=traj.obs, action=traj.action, log_prob=traj.log_prob, value=values, advantage=advantages,
                   target=targets)
     batch = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), batch)  # [T*E, ...]
-    minibatches = shuffled_minibatches(k_perm, batch, args)
-    params, opt_state, losses = gradient_steps(state.params, state.opt_state, minibatches, lr, args)
+    params, opt_state, losses = gradient_steps(state.params, state.opt_state, batch, k_perm, lr, args)
     stats = Stats(losses=jax.lax.pmean(jax.tree.map(jnp.mean, losses), "devices"),
                   return_sum=jax.lax.psum(traj.step.ep_return.sum(), "devices"),
                   length_sum=jax.lax.psum(traj.step.ep_length.sum(), "devices"),
@@ -477,8 +458,8 @@ def make_train(args, env, mesh, num_updates):
             return state, jax.tree.map(jnp.add, total, stats)
 
         zero = jnp.float32(0)
-        zeros = Stats(losses=Losses(zero, zero, zero, zero, zero), return_sum=zero, length_sum=jnp.int32(0),
-                      episodes=zero)
+        losses = Losses(policy_loss=zero, value_loss=zero, entropy=zero, approx_kl=zero, clipfrac=zero)
+        zeros = Stats(losses=losses, return_sum=zero, length_sum=jnp.int32(0), episodes=zero)
         return jax.lax.fori_loop(first, first + n, one_update, (state, zeros))
 
     # check_vma=False: the body pmeans the replicated (P()) parameters' gradients itself; with the
@@ -496,10 +477,16 @@ def shardings(mesh):
 
 def init_on_mesh(args, env, mesh, num_envs):
     """Every seed's compiled init on the mesh, and its shapes."""
+    def init_state(key, params):
+        k_envs, k_run = jax.random.split(key)
+        env_state, obs = jax.vmap(lambda k: env_reset(env, k))(jax.random.split(k_envs, num_envs))
+        return TrainState(params=params, opt_state=make_optimizer(args).init(params), env_state=env_state, obs=obs,
+                          key=k_run)
+
     keys = jax.random.split(jax.random.PRNGKey(args.seed), args.num_seeds)
     params = [init_params(np.random.default_rng([args.seed, i]), env) for i in range(args.num_seeds)]
     params = jax.tree.map(lambda *p: np.stack(p), *params)
-    init = jax.jit(jax.vmap(lambda k, p: init_state(k, p, args, env, num_envs)), out_shardings=shardings(mesh))
+    init = jax.jit(jax.vmap(init_state), out_shardings=shardings(mesh))
     return lambda: init(keys, params), jax.eval_shape(init, keys, params)
 
 
@@ -526,9 +513,7 @@ def pick_devices(args):
 def check_args(args):
     """Every flag, before anything is compiled; None takes the env's DEFAULTS."""
     if args.env_id not in ENVS:
-        close = difflib.get_close_matches(args.env_id, list(ENVS), n=1, cutoff=0.3)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        fail(f"--env-id {args.env_id!r} is not available{hint}; this file defines: {', '.join(map(repr, ENVS))}")
+        fail(f"--env-id {args.env_id!r} is not available; this file defines: {', '.join(map(repr, ENVS))}")
     args = dataclasses.replace(args, **{k: v for k, v in DEFAULTS[args.env_id].items() if getattr(args, k) is None})
     check_flags(args, unit=("gamma", "gae_lambda"), positive=("learning_rate",))
     check_seed(args.seed, 2**32)
