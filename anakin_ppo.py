@@ -66,7 +66,7 @@ from tensorboardX.summary import scalar
 class Args:
     env_id: str = "CartPole-v1"  # CartPole-v1 (discrete actions) or Pendulum-v1 (continuous)
     seed: int = 1  # seeds everything; agent i of --num-seeds draws from (seed, i)
-    num_seeds: int = 1  # independent agents trained side by side in one program (vmap)
+    num_seeds: int = 1  # independent agents trained side by side (vmap)
     total_timesteps: int | None = None  # env steps of one agent (None: CartPole-v1 500_000, Pendulum-v1 1_000_000)
     learning_rate: float | None = None  # Adam step size (None: CartPole-v1 2.5e-4, Pendulum-v1 1e-3)
     anneal_lr: bool = True  # decay the step size linearly to zero
@@ -84,7 +84,7 @@ class Args:
     max_grad_norm: float = 0.5  # global-norm gradient clip
     log_every: int = 50  # updates per compiled call, with one log line each
     checkpoint_every: int = 500  # updates between checkpoints, at the next log line (and one at the end)
-    # Read by the plumbing appendix only: the run folder, resuming, a multi-host start.
+    # Read by the plumbing appendix only.
     exp_name: str = Path(__file__).stem  # experiment name, part of the run folder's name
     run_dir: str = "runs"  # parent folder of run folders
     resume: str | None = None  # checkpoint.npz to continue from, with the same flags, up to --total-timesteps
@@ -139,7 +139,7 @@ def cartpole_step(state, action):
     return state, jnp.float32(1.0), terminated
 
 
-# Pendulum: gymnasium's swing-up; the env clips the torque.
+# Pendulum: gymnasium's swing-up.
 MAX_SPEED, MAX_TORQUE, DT, G = 8.0, 2.0, 0.05, 10.0  # mass and length are 1
 
 
@@ -175,11 +175,11 @@ class EnvState(NamedTuple):
 
 
 class Step(NamedTuple):
-    obs: jax.Array  # what the agent sees next: a new episode's first obs if this one ended
+    obs: jax.Array  # the next obs: a new episode's first if this one ended
     final_obs: jax.Array  # the obs this action led to, before any reset: bootstrap from it
     reward: jax.Array
     terminated: jax.Array  # a terminal state, of value zero
-    truncated: jax.Array  # cut by the time limit, as gymnasium's TimeLimit does
+    truncated: jax.Array  # cut by the time limit
     ep_return: jax.Array  # of the episode that ended here, else 0
     ep_length: jax.Array
 
@@ -271,7 +271,7 @@ def entropy(params, out):
 
 def gae(rewards, values, next_values, terminated, done, gamma, lam):
     """Advantages and value targets [T, B]. Only a termination zeroes the bootstrap `next_values` (V of the obs
-    an action led to), not a time-limit cut as in many JAX PPOs; any end (`done`) stops the lambda-chain."""
+    an action led to), not a time-limit cut (as many JAX PPOs do); any end (`done`) stops the lambda-chain."""
     deltas = rewards + gamma * next_values * (1.0 - terminated) - values
 
     def backward(adv_next, x):
@@ -379,7 +379,7 @@ def rollout(params, env_state, obs, k_act, k_reset, args, env):
     num_envs = obs.shape[0]
     # All randomness in two draws: action noise, and a new episode for each env and step.
     noise = draw_noise(k_act, params, (args.num_steps, num_envs, env.action_size))
-    resets = jax.random.split(k_reset, args.num_steps * num_envs).reshape(args.num_steps, num_envs, -1)
+    resets = jax.random.split(k_reset, (args.num_steps, num_envs))
     fresh = jax.vmap(jax.vmap(lambda k: env_reset(env, k)))(resets)
 
     def act_and_step(carry, x):
@@ -427,7 +427,7 @@ def update(state, lr, args, env):
     key, k_device = jax.random.split(state.key)
     k_act, k_reset, k_perm = jax.random.split(jax.random.fold_in(k_device, jax.lax.axis_index("devices")), 3)
     env_state, obs, traj = rollout(state.params, state.env_state, state.obs, k_act, k_reset, args, env)
-    # V of the obs seen and of the obs the actions led to, [T, E] each, in one pass.
+    # V(obs) and V(final_obs), [T, E] each, in one pass.
     values, next_values = mlp(state.params["critic"], jnp.stack([traj.obs, traj.step.final_obs]))[..., 0]
     done = (traj.step.terminated | traj.step.truncated).astype(jnp.float32)
     advantages, targets = gae(traj.step.reward, values, next_values, traj.step.terminated.astype(jnp.float32), done,
@@ -462,8 +462,8 @@ def make_train(args, env, mesh, num_updates):
         zeros = Stats(losses=losses, return_sum=zero, length_sum=jnp.int32(0), episodes=zero)
         return jax.lax.fori_loop(first, first + n, one_update, (state, zeros))
 
-    # check_vma=False: the body pmeans the replicated (P()) parameters' gradients itself; with the
-    # check on, JAX would already have summed them across devices.
+    # check_vma=False: the body pmeans the replicated (P()) parameters' gradients itself; with the check on,
+    # JAX would already have summed them across devices.
     sharded = jax.shard_map(jax.vmap(train, in_axes=(0, None, None)), mesh=mesh, in_specs=(STATE_SPECS, P(), P()),
                             out_specs=(STATE_SPECS, P()), check_vma=False)
     # LLVM -O1 on CPU: it compiles faster, runs as fast.
@@ -503,9 +503,8 @@ def pick_devices(args):
     n = len(local) if args.num_devices is None else args.num_devices
     if not 1 <= n <= len(local):
         fail(f"--num-devices {n} is not possible: this host has {len(local)} device(s)")
-    devices = [d for p in range(jax.process_count())
-               for d in [d for d in jax.devices() if d.process_index == p][:n]]
-    return Mesh(np.array(devices), ("devices",))
+    hosts = [[d for d in jax.devices() if d.process_index == p][:n] for p in range(jax.process_count())]
+    return Mesh(np.array(hosts).reshape(-1), ("devices",))
 
 
 # ---- The run: flags, state, the compiled call, metrics
@@ -541,7 +540,7 @@ def initial_state(args, env, mesh, steps_per_update):
 
 
 def compile_train(args, env, mesh, shapes, first, num_updates, run):
-    """make_train compiled ahead, out of SPS; refused if it cannot fit (its run folder removed)."""
+    """make_train compiled ahead, out of SPS; refused if it cannot fit."""
     tic = time.time()
     train = make_train(args, env, mesh, num_updates).lower(shapes, np.int32(first), np.int32(args.log_every)).compile()
     say(f"compiled in {time.time() - tic:.1f}s")
