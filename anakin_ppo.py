@@ -492,10 +492,8 @@ def init_on_mesh(args, env, mesh, num_envs):
 
 def place(state, mesh):
     """A host TrainState (every host's envs) onto the mesh."""
-    def put(sharding, part):
-        return jax.tree.map(lambda a: jax.make_array_from_callback(a.shape, sharding, lambda i: a[i]), part)
-
-    return jax.tree.map(put, shardings(mesh), state)
+    leaf_shardings = jax.tree.broadcast(shardings(mesh), state)
+    return jax.tree.map(lambda a, s: jax.make_array_from_callback(a.shape, s, lambda i: a[i]), state, leaf_shardings)
 
 
 def pick_devices(args):
