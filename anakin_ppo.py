@@ -374,6 +374,13 @@ def learning_rate(args, num_updates, update_index):
     return args.learning_rate * (1.0 - update_index / num_updates if args.anneal_lr else 1.0)
 
 
+def init_state(key, params, args, env, num_envs):
+    k_envs, k_run = jax.random.split(key)
+    env_state, obs = jax.vmap(lambda k: env_reset(env, k))(jax.random.split(k_envs, num_envs))
+    return TrainState(params=params, opt_state=make_optimizer(args).init(params), env_state=env_state, obs=obs,
+                      key=k_run)
+
+
 def rollout(params, env_state, obs, k_act, k_reset, args, env):
     """Act for `num_steps` in every env of this device."""
     num_envs = obs.shape[0]
@@ -477,16 +484,10 @@ def shardings(mesh):
 
 def init_on_mesh(args, env, mesh, num_envs):
     """Every seed's compiled init on the mesh, and its shapes."""
-    def init_state(key, params):
-        k_envs, k_run = jax.random.split(key)
-        env_state, obs = jax.vmap(lambda k: env_reset(env, k))(jax.random.split(k_envs, num_envs))
-        return TrainState(params=params, opt_state=make_optimizer(args).init(params), env_state=env_state, obs=obs,
-                          key=k_run)
-
     keys = jax.random.split(jax.random.PRNGKey(args.seed), args.num_seeds)
     params = [init_params(np.random.default_rng([args.seed, i]), env) for i in range(args.num_seeds)]
     params = jax.tree.map(lambda *p: np.stack(p), *params)
-    init = jax.jit(jax.vmap(init_state), out_shardings=shardings(mesh))
+    init = jax.jit(jax.vmap(lambda k, p: init_state(k, p, args, env, num_envs)), out_shardings=shardings(mesh))
     return lambda: init(keys, params), jax.eval_shape(init, keys, params)
 
 
