@@ -61,47 +61,27 @@ from tensorboardX.summary import scalar
 
 @dataclass
 class Args:
-    env_id: str = "Catch"
-    """the only environment in this file: `Catch`"""
-    exp_name: str = Path(__file__).stem
-    """experiment name, part of the run folder's name"""
-    seed: int = 1
-    """seeds everything: parameters, environments, exploration"""
-    total_timesteps: int = 16_000_000
-    """environment steps summed over all envs, devices and hosts"""
-    learning_rate: float = 1e-4
-    """Adam step size"""
-    num_envs_per_device: int = 128
-    """env lanes vmapped on each device"""
-    num_devices: int | None = None
-    """devices used on each host (None: all)"""
-    num_steps: int = 16
-    """rollout length of an update"""
-    gamma: float = 1.0
-    """agent discount"""
-    q_lambda: float = 0.99
-    """lambda of the Q(lambda) returns"""
-    epsilon: float = 0.01
-    """probability of a random action, else greedy (the colab's: 0)"""
-    log_every: int = 10
-    """updates per compiled call and log line"""
-    checkpoint_every: int = 100
-    """updates between checkpoints, at the next log line (and one at the end)"""
-    # used only by the plumbing appendix
-    run_dir: str = "runs"
-    """parent folder of run folders"""
-    resume: str | None = None
-    """checkpoint.npz to continue from (same flags), up to --total-timesteps"""
-    distributed: bool = False
-    """call jax.distributed.initialize() for a multi-host run"""
-    coordinator_address: str | None = None
-    """host:port of process 0 (JAX detects it on SLURM, Cloud TPU, Kubernetes)"""
-    num_processes: int | None = None
-    """number of processes (multi-host)"""
-    process_id: int | None = None
-    """index of this process (multi-host)"""
-    peer_timeout: int = 300
-    """seconds to wait for all processes to join"""
+    env_id: str = "Catch"  # the only environment in this file
+    seed: int = 1  # seeds parameters, envs and exploration
+    total_timesteps: int = 16_000_000  # env steps of all envs of all devices and hosts
+    learning_rate: float = 1e-4  # Adam step size
+    num_envs_per_device: int = 128  # env lanes vmapped on each device
+    num_devices: int | None = None  # devices used on each host (None: all)
+    num_steps: int = 16  # rollout length of an update
+    gamma: float = 1.0  # discount
+    q_lambda: float = 0.99  # lambda of the Q(lambda) returns
+    epsilon: float = 0.01  # probability of a random action, else greedy (the colab's: 0)
+    log_every: int = 10  # updates per compiled call and log line
+    checkpoint_every: int = 100  # updates between checkpoints, at the next log line (and one at the end)
+    # Read by the plumbing appendix only: the run folder, resuming, a multi-host start.
+    exp_name: str = Path(__file__).stem  # experiment name, part of the run folder's name
+    run_dir: str = "runs"  # parent folder of run folders
+    resume: str | None = None  # checkpoint.npz to continue from (same flags), up to --total-timesteps
+    distributed: bool = False  # call jax.distributed.initialize() for a multi-host run
+    coordinator_address: str | None = None  # host:port of process 0 (JAX finds it on SLURM, Cloud TPU, Kubernetes)
+    num_processes: int | None = None  # number of processes (multi-host)
+    process_id: int | None = None  # index of this process (multi-host)
+    peer_timeout: int = 300  # seconds to wait for all processes to join
 
 
 # ---- The environment: Catch (bsuite, Osband et al. 2020) -----------------------------------
