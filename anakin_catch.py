@@ -22,7 +22,6 @@ over devices. The agent is the paper colab's.
 
 import contextlib
 import dataclasses
-import difflib
 import errno
 import hashlib
 import itertools
@@ -339,10 +338,8 @@ def checkpoint(args, run, state, updates_done, batch):
 
 def check_args(args):
     """Every flag, before anything is compiled."""
-    if args.env_id != "Catch":  # the common flag; it also names the run folder
-        close = difflib.get_close_matches(args.env_id, ["Catch"], n=1, cutoff=0.3)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        fail(f"--env-id {args.env_id!r} is not available{hint}; this file defines: 'Catch'")
+    if args.env_id != "Catch":  # the scripts' common flag: it names the run folder
+        fail(f"--env-id {args.env_id!r}: this file defines only 'Catch'")
     check_flags(args, unit=("gamma", "q_lambda", "epsilon"), positive=("learning_rate",))
     check_seed(args.seed, 2**32)
     return args
