@@ -1,8 +1,7 @@
 """Anakin on Catch: the Podracer paper's own example (Hessel et al. 2021, section 3).
 
-Catch is in JAX, so acting and learning are one XLA program: `lane_loss` (one env lane's rollout,
-scored with Q(lambda)) is `vmap`ped over a device's lanes, `fori_loop`ed over updates, `shard_map`ped
-over devices. The agent is the paper colab's.
+Catch is in JAX, so acting and learning are one XLA program: `lane_loss`, the paper colab's agent on one
+env lane, is `vmap`ped over a device's lanes, `fori_loop`ed over updates, `shard_map`ped over devices.
 
     host (Python)          one call = `--log-every` updates, no return to Python between them
     -------------          ---------------------------------------------------------------------
@@ -14,7 +13,7 @@ over devices. The agent is the paper colab's.
                              grads = mean over lanes           grads = mean over lanes
                                    <------- pmean over "devices" (all hosts) ------->
                              Adam step (identical everywhere)  Adam step
-    log, checkpoint <---   metrics (psum / pmean)
+    log, checkpoint <---   metrics (psum)
 
     python anakin_catch.py                                   # ~1 min on a 2-core CPU
     python anakin_catch.py --num-envs-per-device 1024 --total-timesteps 20_000_000
@@ -74,7 +73,7 @@ class Args:
     # Read by the plumbing appendix only: the run folder, resuming, a multi-host start.
     exp_name: str = Path(__file__).stem  # experiment name, part of the run folder's name
     run_dir: str = "runs"  # parent folder of run folders
-    resume: str | None = None  # checkpoint.npz to continue from, with the same flags
+    resume: str | None = None  # checkpoint.npz to continue from, up to --total-timesteps
     distributed: bool = False  # call jax.distributed.initialize() for a multi-host run
     coordinator_address: str | None = None  # host:port of process 0 (JAX finds it on SLURM, Cloud TPU, Kubernetes)
     num_processes: int | None = None  # number of processes (multi-host)
@@ -290,9 +289,8 @@ def pick_devices(args):
     n = len(local) if args.num_devices is None else args.num_devices
     if not 1 <= n <= len(local):
         fail(f"--num-devices {n} is not possible: this host has {len(local)} device(s)")
-    devices = [d for p in range(jax.process_count())
-               for d in [d for d in jax.devices() if d.process_index == p][:n]]
-    return Mesh(np.array(devices), ("devices",))
+    hosts = [[d for d in jax.devices() if d.process_index == p] for p in range(jax.process_count())]
+    return Mesh(np.array([d for host in hosts for d in host[:n]]), ("devices",))  # the first n of every host
 
 
 def initial_state(args, mesh, batch):
