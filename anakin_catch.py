@@ -1,8 +1,7 @@
 """Anakin on Catch: the Podracer paper's own example (Hessel et al. 2021, section 3).
 
-Catch is in JAX, so acting and learning are one XLA program: `lane_loss` (one env lane's rollout,
-scored with Q(lambda)) is `vmap`ped over a device's lanes, `fori_loop`ed over updates, `shard_map`ped
-over devices. The agent is the paper colab's.
+Catch is in JAX, so acting and learning are one XLA program: `lane_loss`, the paper colab's agent on one
+env lane, is `vmap`ped over a device's lanes, `fori_loop`ed over updates, `shard_map`ped over devices.
 
     host (Python)          one call = `--log-every` updates, no return to Python between them
     -------------          ---------------------------------------------------------------------
@@ -14,7 +13,7 @@ over devices. The agent is the paper colab's.
                              grads = mean over lanes           grads = mean over lanes
                                    <------- pmean over "devices" (all hosts) ------->
                              Adam step (identical everywhere)  Adam step
-    log, checkpoint <---   metrics (psum / pmean)
+    log, checkpoint <---   metrics (psum)
 
     python anakin_catch.py                                   # ~1 min on a 2-core CPU
     python anakin_catch.py --num-envs-per-device 1024 --total-timesteps 20_000_000
@@ -22,7 +21,6 @@ over devices. The agent is the paper colab's.
 
 import contextlib
 import dataclasses
-import difflib
 import errno
 import hashlib
 import itertools
@@ -35,7 +33,6 @@ import socket
 import sys
 import threading
 import time
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import NamedTuple
@@ -59,49 +56,29 @@ from tensorboardX.proto.event_pb2 import Event
 from tensorboardX.summary import scalar
 
 
-@dataclass
+@dataclasses.dataclass
 class Args:
-    env_id: str = "Catch"
-    """the only environment in this file: `Catch`"""
-    exp_name: str = Path(__file__).stem
-    """experiment name, part of the run folder's name"""
-    seed: int = 1
-    """seeds everything: parameters, environments, exploration"""
-    total_timesteps: int = 16_000_000
-    """environment steps summed over all envs, devices and hosts"""
-    learning_rate: float = 1e-4
-    """Adam step size"""
-    num_envs_per_device: int = 128
-    """env lanes vmapped on each device"""
-    num_devices: int | None = None
-    """devices used on each host (None: all)"""
-    num_steps: int = 16
-    """rollout length of an update"""
-    gamma: float = 1.0
-    """agent discount"""
-    q_lambda: float = 0.99
-    """lambda of the Q(lambda) returns"""
-    epsilon: float = 0.01
-    """probability of a random action, else greedy (the colab's: 0)"""
-    log_every: int = 10
-    """updates per compiled call and log line"""
-    checkpoint_every: int = 100
-    """updates between checkpoints, at the next log line (and one at the end)"""
-    # used only by the plumbing appendix
-    run_dir: str = "runs"
-    """parent folder of run folders"""
-    resume: str | None = None
-    """checkpoint.npz to continue from (same flags), up to --total-timesteps"""
-    distributed: bool = False
-    """call jax.distributed.initialize() for a multi-host run"""
-    coordinator_address: str | None = None
-    """host:port of process 0 (JAX detects it on SLURM, Cloud TPU, Kubernetes)"""
-    num_processes: int | None = None
-    """number of processes (multi-host)"""
-    process_id: int | None = None
-    """index of this process (multi-host)"""
-    peer_timeout: int = 300
-    """seconds to wait for all processes to join"""
+    env_id: str = "Catch"  # the only environment in this file
+    seed: int = 1  # seeds parameters, envs and exploration
+    total_timesteps: int = 16_000_000  # env steps of all envs of all hosts
+    learning_rate: float = 1e-4  # Adam step size
+    num_envs_per_device: int = 128  # env lanes on each device
+    num_devices: int | None = None  # devices used on each host (None: all)
+    num_steps: int = 16  # rollout length of an update
+    gamma: float = 1.0  # discount
+    q_lambda: float = 0.99  # lambda of the Q(lambda) returns
+    epsilon: float = 0.01  # probability of a random action (the colab's: 0)
+    log_every: int = 10  # updates per compiled call and log line
+    checkpoint_every: int = 100  # updates between checkpoints, at a log line (and one at the end)
+    # Read by the plumbing appendix only: the run folder, resuming, a multi-host start.
+    exp_name: str = Path(__file__).stem  # experiment name, part of the run folder's name
+    run_dir: str = "runs"  # parent folder of run folders
+    resume: str | None = None  # checkpoint.npz to continue from, up to --total-timesteps
+    distributed: bool = False  # call jax.distributed.initialize() for a multi-host run
+    coordinator_address: str | None = None  # host:port of process 0 (JAX finds it on SLURM, Cloud TPU, Kubernetes)
+    num_processes: int | None = None  # number of processes (multi-host)
+    process_id: int | None = None  # index of this process (multi-host)
+    peer_timeout: int = 300  # seconds to wait for all processes to join
 
 
 # ---- The environment: Catch (bsuite, Osband et al. 2020) -----------------------------------
@@ -172,7 +149,7 @@ def lambda_returns(rewards, discounts, next_values, lam):
 
 def q_lambda_loss(q, q_last, actions, rewards, dones, gamma, lam):
     """Mean squared error of Q(s_t, a_t) against Q(lambda) returns; q: [T, A], q_last: [A], the rest [T].
-    The zero discount at an episode end masks the next row of `q` (the reset state's)."""
+    At an episode end the zero discount masks the next row of `q`, the reset state's."""
     next_values = jnp.max(jnp.concatenate([q[1:], q_last[None]]), axis=-1)
     targets = lambda_returns(rewards, gamma * (1.0 - dones), next_values, lam)
     q_taken = jnp.take_along_axis(q, actions[:, None], axis=-1)[:, 0]
@@ -183,7 +160,7 @@ def q_lambda_loss(q, q_last, actions, rewards, dones, gamma, lam):
 
 class Lane(NamedTuple):  # carried from update to update
     env: Catch
-    key: jax.Array  # its own RNG key: results do not depend on the device layout
+    key: jax.Array  # its own: results do not depend on the device layout
     ep_return: jax.Array  # of the episode in progress
     ep_length: jax.Array
 
@@ -203,10 +180,10 @@ class TrainState(NamedTuple):
     lanes: Lane  # [envs, ...] split across devices
 
 
-class Stats(NamedTuple):  # one update's figures; a call sums them
-    td_loss: jax.Array  # means over lanes and devices
+class Stats(NamedTuple):  # sums over all lanes of all devices and over a call's updates
+    td_loss: jax.Array  # of each lane's mean
     q_values: jax.Array
-    return_sum: jax.Array  # sums over the episodes ended
+    return_sum: jax.Array  # of the episodes ended
     length_sum: jax.Array
     episodes: jax.Array
 
@@ -252,11 +229,9 @@ def lane_loss(params, lane, args):
 
 
 def update(state, args):
-    """One update on one device: its lanes' rollouts, then gradients averaged everywhere.
-
-    The paper vmaps the whole update with params broadcast to each lane and pmeans the per-lane
-    gradients. Every lane holds the same params, so that mean is the gradient of the lanes' mean
-    loss, taken once here: the same numbers without a copy of params and Adam state per lane."""
+    """One update on one device: its lanes' rollouts, then gradients averaged everywhere. The paper vmaps
+    the whole update over lanes and pmeans their gradients; as every lane holds the same params, that is the
+    gradient of the lanes' mean loss, taken once here without a copy of params and Adam state per lane."""
     def device_loss(params):
         losses, aux = jax.vmap(lane_loss, (None, 0, None))(params, state.lanes, args)
         return losses.mean(), aux
@@ -265,18 +240,15 @@ def update(state, args):
     grads = jax.lax.pmean(grads, "devices")  # across devices and hosts
     updates, opt_state = make_optimizer(args).update(grads, state.opt_state)
     params = optax.apply_updates(state.params, updates)
-    mean = lambda x: jax.lax.pmean(x.mean(), "devices")
-    total = lambda x: jax.lax.psum(x.sum(), "devices")
-    stats = Stats(td_loss=mean(stats.td_loss), q_values=mean(stats.q_values), return_sum=total(stats.return_sum),
-                  length_sum=total(stats.length_sum), episodes=total(stats.episodes))
+    stats = jax.tree.map(lambda x: jax.lax.psum(x.sum(), "devices"), stats)  # over lanes, devices and hosts
     return TrainState(params=params, opt_state=opt_state, lanes=lanes), stats
 
 
-def metrics_row(stats, n, lr, sps):
-    """From Stats summed over `n` updates."""
+def metrics_row(stats, lane_updates, args, sps):
+    """Means from Stats summed over `lane_updates`: a call's updates x all lanes."""
     stats = jax.tree.map(float, stats)
-    row = {"charts/SPS": sps, "charts/learning_rate": lr,
-           "losses/td_loss": stats.td_loss / n, "losses/q_values": stats.q_values / n}
+    row = {"charts/SPS": sps, "charts/learning_rate": args.learning_rate,
+           "losses/td_loss": stats.td_loss / lane_updates, "losses/q_values": stats.q_values / lane_updates}
     if stats.episodes > 0:
         row["charts/episodic_return"] = stats.return_sum / stats.episodes
         row["charts/episodic_length"] = stats.length_sum / stats.episodes
@@ -299,15 +271,13 @@ def make_train(args, mesh):
         zeros = Stats(**{name: jnp.float32(0) for name in Stats._fields})
         return jax.lax.fori_loop(0, n, one_update, (state, zeros))
 
-    # check_vma=False: `update` pmeans the gradients of the replicated (P()) params; with the check on,
-    # JAX would already have summed them.
+    # check_vma=False: `update` pmeans the gradients of the replicated params; the check would sum them first
     sharded = jax.shard_map(train, mesh=mesh, in_specs=(STATE_SPECS, P()), out_specs=(STATE_SPECS, P()),
                             check_vma=False)
     return jax.jit(sharded, donate_argnums=0)
 
 
 def init_on_mesh(args, mesh, num_envs):
-    """A compiled init of the TrainState on the mesh, and its shapes."""
     key = jax.random.PRNGKey(args.seed)
     shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), STATE_SPECS)
     init = jax.jit(partial(init_state, args=args, num_envs=num_envs), out_shardings=shardings)
@@ -319,9 +289,8 @@ def pick_devices(args):
     n = len(local) if args.num_devices is None else args.num_devices
     if not 1 <= n <= len(local):
         fail(f"--num-devices {n} is not possible: this host has {len(local)} device(s)")
-    devices = [d for p in range(jax.process_count())
-               for d in [d for d in jax.devices() if d.process_index == p][:n]]
-    return Mesh(np.array(devices), ("devices",))
+    hosts = [[d for d in jax.devices() if d.process_index == p] for p in range(jax.process_count())]
+    return Mesh(np.array([d for host in hosts for d in host[:n]]), ("devices",))  # the first n of every host
 
 
 def initial_state(args, mesh, batch):
@@ -339,7 +308,7 @@ def initial_state(args, mesh, batch):
 
 
 def compile_train(args, mesh, shapes, run):
-    """make_train compiled ahead: SPS never counts compiling; what cannot fit is refused (its run folder removed)."""
+    """Compiled ahead: SPS never counts compiling, and what cannot fit is refused (its run folder removed)."""
     tic = time.time()
     train = make_train(args, mesh).lower(shapes, np.int32(args.log_every)).compile()
     say(f"compiled in {time.time() - tic:.1f}s")
@@ -355,20 +324,15 @@ def checkpoint(args, run, state, updates_done, batch):
     save(run, {"state": host, "update": np.int64(updates_done), "global_step": np.int64(updates_done * batch)}, args)
 
 
-# ---- This script's flags ------------------------------------------------------------------
+# ---- The run: the flags checked, then the updates -----------------------------------------
 
 def check_args(args):
-    """Every flag, before anything is compiled."""
-    if args.env_id != "Catch":  # the common flag; it also names the run folder
-        close = difflib.get_close_matches(args.env_id, ["Catch"], n=1, cutoff=0.3)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        fail(f"--env-id {args.env_id!r} is not available{hint}; this file defines: 'Catch'")
+    if args.env_id != "Catch":  # the common flag: it names the run folder
+        fail(f"--env-id {args.env_id!r}: this file defines only 'Catch'")
     check_flags(args, unit=("gamma", "q_lambda", "epsilon"), positive=("learning_rate",))
     check_seed(args.seed, 2**32)
     return args
 
-
-# ---- The run ------------------------------------------------------------------------------
 
 def main(args: Args) -> dict:
     caught = catch_stop_signals()
@@ -383,8 +347,7 @@ def main(args: Args) -> dict:
     state = make_state()
     start_update, start_time, n, row = updates_done, time.time(), 0, {}
     while updates_done < num_updates:
-        # due: the last call's n updates passed a multiple of --checkpoint-every
-        due = updates_done // args.checkpoint_every > (updates_done - n) // args.checkpoint_every
+        due = updates_done // args.checkpoint_every > (updates_done - n) // args.checkpoint_every  # a multiple passed
         safe_point(caught, updates_done, run, partial(checkpoint, args, run, state, updates_done, batch), due=due)
         n = min(args.log_every, num_updates - updates_done)
         tic = time.time()
@@ -392,7 +355,7 @@ def main(args: Args) -> dict:
         stats = jax.device_get(stats)  # waits for the call
         updates_done += n
         row = {"global_step": updates_done * batch, "update": updates_done,
-               **metrics_row(stats, n, args.learning_rate, sps=n * batch / (time.time() - tic))}
+               **metrics_row(stats, n * batch // args.num_steps, args, sps=n * batch / (time.time() - tic))}
         check_finite({name: value for name, value in row.items() if name.startswith("losses/")}, updates_done, run)
         eta = (time.time() - start_time) / (updates_done - start_update) * (num_updates - updates_done)
         log(run, row, num_updates, num_updates * batch, eta)

@@ -246,7 +246,7 @@ def test_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_pa
 # ---- Bad input ----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("args, words", [
-    (["--env-id", "Catc"], ["--env-id", "'Catc'", "did you mean 'Catch'"]),
+    (["--env-id", "Catc"], ["--env-id", "'Catc'", "only 'Catch'"]),
     (["--num-devices", 3], ["--num-devices 3", "2 device"]),
     (["--total-timesteps", 1000], ["--total-timesteps", "one update", f"{2 * STEPS_PER_UPDATE:,}"]),
     (["--num-envs-per-device", 0], ["--num-envs-per-device 0", "must be in 1.."]),
