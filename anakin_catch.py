@@ -465,7 +465,7 @@ def start_distributed(args, caught):
             fail(f"--coordinator-address {address}: process 0 cannot listen there ({getattr(e, 'strerror', e)}:"
                  " another process 0 or another program holds the port?)")
     joining = ThreadPoolExecutor(1).submit(jax.distributed.initialize, address, args.num_processes, args.process_id,
-                                           initialization_timeout=args.peer_timeout + 60)  # after ours
+                                           initialization_timeout=args.peer_timeout + 60)  # JAX's aborts: ours first
     say(f"waiting for {args.num_processes or 'all'} processes at {address or 'the address JAX detects'} (at most "
         f"--peer-timeout {args.peer_timeout} s)")
     deadline = time.monotonic() + args.peer_timeout
@@ -625,16 +625,14 @@ def load(args, template, batch, hint):
             "coordinator_address", "num_processes", "process_id", "peer_timeout")
     for name in [n for n in now if n not in free and saved.get(n) != now[n]]:
         fail(f"{resume} comes from a run with --{name.replace('_', '-')} {json.dumps(saved.get(name))}, not "
-             f"{json.dumps(now[name])} (a resumed run may change only the budget, logging, checkpoint and folder "
-             "flags)")
+             f"{json.dumps(now[name])} (a resumed run may change only budget, logging, checkpoint and folder flags)")
     update = int(arrays["update"])
     if update < 0:
         fail(f"{resume} is damaged: it holds update {update}")
     if arrays["global_step"] != update * batch:
         fail(f"{resume} comes from a run whose updates were not of {batch:,} steps (another number of hosts?)")
     if update >= args.total_timesteps // batch:
-        fail(f"{resume} is at update {update} of a --total-timesteps {args.total_timesteps:,} run: raise "
-             "--total-timesteps to go on")
+        fail(f"{resume} is at update {update} of {args.total_timesteps // batch}: raise --total-timesteps to go on")
     return jax.tree.unflatten(jax.tree.structure(template), [arrays[name] for name in flat(template)])
 
 
