@@ -44,6 +44,7 @@ import threading
 import time
 import traceback
 from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cache, partial
 from pathlib import Path
@@ -909,14 +910,13 @@ def check_flags(args, unit=(), positive=()):
 
 
 def check_fits(num_bytes, what, devices=(), run=None):
-    """Refuse, up front, what cannot fit: `num_bytes` on each of `devices` (CPU devices share the host's memory).
-    A run folder made just before (`run`) is removed."""
+    """Refuse `num_bytes` on each of `devices` (CPU ones share the host's memory), and the `run` folder just made."""
     memory = (devices[0].memory_stats() or {}).get("bytes_limit") if devices else None
-    if memory is None:  # the host's memory, shared by all its devices
+    if memory is None:
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         num_bytes *= max(1, len(devices))
     if num_bytes > memory:
-        if run is not None and run.folder is not None:  # made just before: remove it
+        if run is not None and run.folder is not None:
             run.events.close()
             shutil.rmtree(run.folder, ignore_errors=True)
         fail(f"{what} would need {num_bytes / 2**30:,.1f} GiB, more than the {memory / 2**30:,.1f} GiB here")
@@ -930,12 +930,10 @@ def check_seed(seed, limit):
 
 
 def start_distributed(args, caught):
-    """With --distributed, join the other processes, then `agree`. JAX's join blocks, and aborts the process when
-    it times out: it runs in a thread, so that --peer-timeout bounds the wait and a stop signal ends it."""
+    """With --distributed, join the others in a thread (JAX's join blocks) for --peer-timeout or until a stop signal."""
     given = [n for n in ("coordinator_address", "num_processes", "process_id") if getattr(args, n) is not None]
     if given and not args.distributed:
-        fail(f"{', '.join('--' + n.replace('_', '-') for n in given)} only apply to a multi-host run: "
-             "add --distributed")
+        fail(f"{', '.join('--' + n.replace('_', '-') for n in given)} only apply to multi-host runs: add --distributed")
     if not args.distributed:
         return
     jax.config.update("jax_enable_preemption_service", False)  # it would take SIGTERM from us
@@ -946,30 +944,21 @@ def start_distributed(args, caught):
         except (OSError, ValueError, OverflowError) as e:
             fail(f"--coordinator-address {address}: process 0 cannot listen there ({getattr(e, 'strerror', e)}:"
                  " another process 0 or another program holds the port?)")
-    errors = []
-
-    def join():  # with a timeout after ours: JAX's own aborts the process
-        try:
-            jax.distributed.initialize(address, args.num_processes, args.process_id,
-                                       initialization_timeout=args.peer_timeout + 60)
-        except Exception as e:
-            errors.append(e)
-
-    joining = threading.Thread(target=join, daemon=True)
-    joining.start()
+    joining = ThreadPoolExecutor(1).submit(jax.distributed.initialize, address, args.num_processes, args.process_id,
+                                           initialization_timeout=args.peer_timeout + 60)  # JAX's aborts: ours first
     say(f"waiting for {args.num_processes or 'all'} processes at {address or 'the address JAX detects'} (at most "
         f"--peer-timeout {args.peer_timeout} s)")
     deadline = time.monotonic() + args.peer_timeout
-    while joining.is_alive() and not caught and time.monotonic() < deadline:
-        joining.join(timeout=0.2)
+    while not joining.done() and not caught and time.monotonic() < deadline:
+        time.sleep(0.1)
     if caught:
         exit_now(128 + caught[0], None, f"stopped by {signal.Signals(caught[0]).name} while waiting for the other "
                                         "processes, before any update")
-    if joining.is_alive() or errors:
-        why = str(errors[0]).splitlines()[0] if errors else f"not all joined in --peer-timeout {args.peer_timeout} s"
-        exit_now(2, None, f"error: --distributed: {why} (start every process with the same --coordinator-address and "
-                          "--num-processes and its own --process-id, or all in a cluster JAX detects: SLURM, Cloud "
-                          "TPU, Kubernetes)")
+    error = joining.exception() if joining.done() else f"not all joined in --peer-timeout {args.peer_timeout} s"
+    if error:
+        exit_now(2, None, f"error: --distributed: {str(error).splitlines()[0]} (start every process with the same "
+                          "--coordinator-address and --num-processes and its own --process-id, or all in a cluster "
+                          "JAX detects: SLURM, Cloud TPU, Kubernetes)")
     sys.excepthook = lost_peer
     agree(args)
 
@@ -1004,14 +993,14 @@ class Run(NamedTuple):
 
 
 RUN = None  # this process's Run, for `lost_peer`
-SAVING = []  # the temporary file `save` is writing, if any: a second stop signal removes it
+SAVING = []  # the temporary file `save` is writing, if any: `exit_now` removes it
 
 
 def open_run(args):
     """A new folder {run-dir}/{env}__{exp-name}__{seed}__{unix time}[_1, _2, ...], its name made flat."""
     global RUN
+    RUN = Run(None, None, None)
     if jax.process_index() != 0:
-        RUN = Run(None, None, None)
         return RUN
     name = "__".join("".join(c if c.isalnum() or c in "-_.+" else "_" for c in str(s))
                      for s in (args.env_id, args.exp_name, args.seed))
@@ -1030,9 +1019,8 @@ def open_run(args):
 
 
 def catch_stop_signals():
-    """SIGINT (Ctrl-C), SIGTERM (SLURM, Kubernetes) and SIGHUP (a closed terminal) are only noted, from before JAX
-    loads, as raising inside JAX or envpool could hang or be lost; `safe_point` acts on them, a second one exits at
-    once. A thread reads them from STOP_PIPE: Python runs handlers only when the main thread is back from XLA."""
+    """SIGINT, SIGTERM, SIGHUP are noted for `safe_point` (raising inside JAX or envpool could hang or be lost), a
+    second one exits at once. A thread reads them from STOP_PIPE: Python runs handlers only between XLA calls."""
     caught, stops = [], (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
     os.set_blocking(STOP_PIPE[1], False)
     signal.set_wakeup_fd(STOP_PIPE[1])  # as the first lines do, for a script loaded as a module
@@ -1040,13 +1028,11 @@ def catch_stop_signals():
         signal.signal(signum, lambda *_: None)
 
     def listen():
-        while signum := os.read(STOP_PIPE[0], 1)[0]:
-            if signum in stops and caught:  # the second: exit now, leaving no temporary checkpoint file
-                for tmp in SAVING:
-                    with contextlib.suppress(OSError):
-                        tmp.unlink(missing_ok=True)
-                say(f"{signal.Signals(signum).name} again: stopped at once, without writing a checkpoint")
-                os._exit(128 + signum)
+        while True:
+            signum = os.read(STOP_PIPE[0], 1)[0]
+            if signum in stops and caught:
+                exit_now(128 + signum, None, f"{signal.Signals(signum).name} again: stopped at once, without writing "
+                                             "a checkpoint")
             if signum in stops:
                 caught.append(signum)
                 say(f"{signal.Signals(signum).name}: stopping after the update in flight, with a checkpoint; a "
@@ -1085,10 +1071,7 @@ def save(run, tree, args):
         np.savez(tmp, **flat(tree), args=json.dumps(dataclasses.asdict(args)))
         os.replace(tmp, run.checkpoint)
     except OSError as e:
-        with contextlib.suppress(OSError):
-            tmp.unlink(missing_ok=True)
-        left = f"; {tmp.name} could not be removed: delete it" if tmp.exists() else ""
-        exit_now(1, run, f"error: cannot write {tmp} ({e.strerror or e}){left}")
+        exit_now(1, run, f"error: cannot write {tmp} ({e.strerror or e})")
     SAVING.clear()
 
 
@@ -1103,10 +1086,9 @@ def load(args, template, batch, hint):
             arrays = {name: f[name] for name in names & set(f.files)}
     except Exception as e:  # empty, truncated, random bytes, pickled
         fail(f"{resume} is not a readable checkpoint ({type(e).__name__}: {str(e).splitlines()[0]})")
-    try:
+    saved = None
+    with contextlib.suppress(KeyError, ValueError):
         saved = json.loads(str(arrays["args"]))
-    except (KeyError, ValueError):
-        saved = None
     if not isinstance(saved, dict):
         fail(f"{resume} does not match this run: it records no flags as a JSON object ({hint})")
     hosts = saved.get("num_processes") if saved.get("distributed") else 1
@@ -1123,21 +1105,23 @@ def load(args, template, batch, hint):
             "coordinator_address", "num_processes", "process_id", "peer_timeout")
     for name in [n for n in now if n not in free and saved.get(n) != now[n]]:
         fail(f"{resume} comes from a run with --{name.replace('_', '-')} {json.dumps(saved.get(name))}, not "
-             f"{json.dumps(now[name])} (a resumed run may change only the budget, logging, checkpoint and folder "
-             "flags)")
+             f"{json.dumps(now[name])} (a resumed run may change only budget, logging, checkpoint and folder flags)")
     update = int(arrays["update"])
     if update < 0:
         fail(f"{resume} is damaged: it holds update {update}")
     if arrays["global_step"] != update * batch:
         fail(f"{resume} comes from a run whose updates were not of {batch:,} steps (another number of hosts?)")
     if update >= args.total_timesteps // batch:
-        fail(f"{resume} is at update {update} of a --total-timesteps {args.total_timesteps:,} run: raise "
-             "--total-timesteps to go on")
+        fail(f"{resume} is at update {update} of {args.total_timesteps // batch}: raise --total-timesteps to go on")
     return jax.tree.unflatten(jax.tree.structure(template), [arrays[name] for name in flat(template)])
 
 
 def exit_now(code, run, line):
-    """Say `line` and the `run`'s last checkpoint; exit at once (a normal exit could wait on envpool, XLA, a peer)."""
+    """Say `line` and what is on disk, a half-written checkpoint removed; exit at once (a normal exit could hang)."""
+    for tmp in SAVING:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        line += f"; {tmp.name} could not be removed: delete it" if tmp.exists() else ""
     if run is not None and run.folder is None:
         line += "; process 0 holds the checkpoints"
     elif run is not None:
@@ -1177,18 +1161,14 @@ def log(run, row, num_updates, total_steps, eta):
         run.events.flush()
     except OSError as e:
         exit_now(1, run, f"error: cannot write the metrics in {run.folder} ({e.strerror or e})")
-    minutes = int(eta) // 60
-    eta = f"{minutes // 60}h{minutes % 60:02d}m" if minutes >= 60 else f"{minutes}m{int(eta) % 60:02d}s"
     say(f"update {row['update']}/{num_updates} | step {step:,}/{total_steps:,} ({step / total_steps:.0%}) | "
-        f"SPS {row['charts/SPS']:,.0f} | return {'-' if ret is None else f'{ret:.2f}'} | ETA {eta}")
+        f"SPS {row['charts/SPS']:,.0f} | return {'-' if ret is None else f'{ret:.2f}'} | ETA {eta / 60:,.1f} min")
 
 
 def checksum(params):
     """sha256 of this host's copy of the parameters in key-path order: equal runs, equal hosts, equal sums."""
-    digest = hashlib.sha256()
-    for leaf in jax.tree.leaves(params):  # in key-path order
-        digest.update(np.ascontiguousarray(leaf.addressable_data(0) if isinstance(leaf, jax.Array) else leaf).tobytes())
-    return digest.hexdigest()
+    leaves = [x.addressable_data(0) if isinstance(x, jax.Array) else x for x in jax.tree.leaves(params)]
+    return hashlib.sha256(b"".join(np.asarray(x).tobytes() for x in leaves)).hexdigest()
 
 
 if __name__ == "__main__":
