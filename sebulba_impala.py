@@ -1138,8 +1138,10 @@ def log(run, row, num_updates, total_steps, eta):
         run.events.flush()
     except OSError as e:
         exit_now(1, run, f"error: cannot write the metrics in {run.folder} ({e.strerror or e})")
+    minutes = int(eta) // 60
+    eta = f"{minutes // 60}h{minutes % 60:02d}m" if minutes >= 60 else f"{minutes}m{int(eta) % 60:02d}s"
     say(f"update {row['update']}/{num_updates} | step {step:,}/{total_steps:,} ({step / total_steps:.0%}) | "
-        f"SPS {row['charts/SPS']:,.0f} | return {'-' if ret is None else f'{ret:.2f}'} | ETA {eta / 60:,.1f} min")
+        f"SPS {row['charts/SPS']:,.0f} | return {'-' if ret is None else f'{ret:.2f}'} | ETA {eta}")
 
 
 def checksum(params):
