@@ -77,7 +77,7 @@ class Args:
     total_timesteps: int | None = None  # agent steps of all envs of all hosts (default: 10M images, 300k vectors)
     learning_rate: float | None = None  # RMSProp step size (default: 6e-4 images, 5e-3 vectors)
     anneal_lr: bool = True  # anneal the learning rate linearly to 0
-    actor_device_ids: list[int] | None = None  # local device indices that act (default: device 0)
+    actor_device_ids: list[int] | None = None  # local device indices that act (default: 0)
     learner_device_ids: list[int] | None = None  # local device indices that learn (default: the others, else 0)
     num_actor_threads: int = 2  # per actor device: one steps its envs while another acts
     local_num_envs: int = 16  # envs per actor thread (one policy call per step)
@@ -93,14 +93,14 @@ class Args:
     machado: bool = False  # Machado et al. (2018): sticky actions, full action set, no life loss
     log_every: int | None = None  # updates between metrics rows (default: 10 images, 40 vectors)
     checkpoint_every: int = 100  # updates between checkpoints (and one at the end)
-    # Read by the plumbing appendix only: the run folder, resuming, a multi-host start.
+    # Read by the plumbing appendix only.
     exp_name: str = Path(__file__).stem  # part of the run folder's name
     run_dir: str = "runs"  # parent folder of run folders
     resume: str | None = None  # checkpoint.npz to continue from (envs start afresh)
-    distributed: bool = False  # call jax.distributed.initialize() for a multi-host run
+    distributed: bool = False  # call jax.distributed.initialize() (multi-host)
     coordinator_address: str | None = None  # host:port of process 0 (JAX finds it on SLURM, Cloud TPU, Kubernetes)
     num_processes: int | None = None  # number of processes (multi-host)
-    process_id: int | None = None  # index of this process (multi-host)
+    process_id: int | None = None  # this process's index (multi-host)
     peer_timeout: int = 300  # seconds to wait for all processes to join
 
 
@@ -350,8 +350,7 @@ def vtrace(values, rewards, discounts, rhos, valid, lambda_):
         correction = delta + ok * discount * c * correction
         return correction, correction
 
-    _, corrections = jax.lax.scan(backward, jnp.zeros_like(values[-1]),
-                                  (deltas, discounts, cs, valid), reverse=True)
+    _, corrections = jax.lax.scan(backward, jnp.zeros_like(values[-1]), (deltas, discounts, cs, valid), reverse=True)
     vs = values[:-1] + corrections
     vs_next = jnp.concatenate([vs[1:], values[-1:]])
     pg_advantages = valid * clipped_rhos * (rewards + discounts * vs_next - values[:-1])
