@@ -583,8 +583,7 @@ def init_state(key, args, env_info, num_updates):
 
 
 def prox_log_probs(params, samples, chunks):
-    """log pi_prox(a | s) of every sample, before the update's first step: in `chunks` pieces, so it
-    needs no more memory than a minibatch."""
+    """log pi_prox(a | s) of every sample at the update's start, in `chunks` pieces: no more memory than a minibatch."""
     split = lambda x: x.reshape(chunks, -1, *x.shape[1:])
     logp = jax.lax.map(lambda c: log_prob(apply(params, c[0])[0], c[1]), (split(samples.obs), split(samples.actions)))
     return logp.reshape(-1)
