@@ -343,8 +343,7 @@ def clipped_value_loss(values, old_values, returns, clip):
     return 0.5 * jnp.maximum((values - returns) ** 2, (clipped - returns) ** 2)
 
 
-class Samples(NamedTuple):
-    """Flattened [N] learning samples on one learner."""
+class Samples(NamedTuple):  # flattened [N] learning samples on one learner
     obs: jax.Array  # [N, *obs_shape]
     actions: jax.Array
     logprobs: jax.Array  # log mu, stored at acting time
