@@ -1,10 +1,6 @@
-"""Sebulba IMPALA: the Podracer paper's actor/learner split (Hessel et al. 2021, section 4)
-running IMPALA with V-trace (Espeholt et al. 2018, arXiv 1802.01561).
-
-Environments run on the host CPU, so acting and learning run on separate devices: actor threads
-step their envs with a jitted policy; the learner, one `jit` + `shard_map` over the learner devices
-of every host, runs the update and sends new parameters back. Any envpool id (Atari `*-v5` with the
-IMPALA paper's protocol) or gymnasium id.
+"""Sebulba IMPALA: the Podracer paper's actor/learner split (Hessel et al. 2021, section 4) running IMPALA
+with V-trace (Espeholt et al. 2018, arXiv 1802.01561) on an envpool id (Atari `*-v5` with the IMPALA
+paper's protocol) or a gymnasium id, stepped on the host CPU.
 
     host CPU (per host)                 actor device(s)              learner devices (all hosts)
     -------------------                 ---------------              ---------------------------
@@ -15,10 +11,8 @@ IMPALA paper's protocol) or gymnasium id.
                                         (device_put, bounded queue)  V-trace loss, summed over the
                                                                      batch, grads psum'd over all
                                    <------------------------------  new params (one update later)
-    Actors act with parameters at most one update old (logged as stats/param_lag); V-trace's
-    importance weights correct for the lag.
+    Actors act with parameters at most one update old (stats/param_lag); V-trace corrects for the lag.
 
-Examples:
     python sebulba_impala.py --env-id CartPole-v1
     python sebulba_impala.py --env-id Pong-v5 --actor-device-ids 0 --learner-device-ids 1 2 3
     python sebulba_impala.py --resume runs/Breakout-v5__sebulba_impala__1__1700000000/checkpoint.npz
@@ -45,7 +39,6 @@ import traceback
 import warnings
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from functools import cache, partial
 from pathlib import Path
 from typing import Literal, NamedTuple
@@ -71,22 +64,21 @@ from tensorboardX.summary import scalar
 import envpool
 import gymnasium as gym
 
-# envpool's classic-control specs trip a harmless gymnasium warning about float64 bounds.
+# envpool's classic-control specs trip a harmless gymnasium warning about float64 bounds
 warnings.filterwarnings("ignore", message=".*precision lowered.*")
 
 
-@dataclass
+@dataclasses.dataclass
 class Args:
-    """A host with N CPU cores and one GPU: the defaults act and learn on the GPU, envpool's threads share the cores.
-    More envs per policy call fill the GPU: try 2-4 actor threads x 32-64 envs with --async-envs (a larger batch also
-    changes what an update learns from); `python tests/benchmark.py --gpu-check` measures such a grid."""
+    """The defaults act and learn on one GPU. More envs per policy call fill it (a larger batch learns differently):
+    try 2-4 actor threads x 32-64 envs with --async-envs; `python tests/benchmark.py --gpu-check` measures them."""
 
     env_id: str = "Breakout-v5"  # an envpool id (Atari `*-v5`, `CartPole-v1`) or a gymnasium id (`module:Name-v0`)
     seed: int = 1  # seeds parameters, envs and sampling
     total_timesteps: int | None = None  # agent steps of all envs of all hosts (default: 10M images, 300k vectors)
     learning_rate: float | None = None  # RMSProp step size (default: 6e-4 images, 5e-3 vectors)
     anneal_lr: bool = True  # anneal the learning rate linearly to 0
-    actor_device_ids: list[int] | None = None  # local device indices that act (default: device 0)
+    actor_device_ids: list[int] | None = None  # local device indices that act (default: 0)
     learner_device_ids: list[int] | None = None  # local device indices that learn (default: the others, else 0)
     num_actor_threads: int = 2  # per actor device: one steps its envs while another acts
     local_num_envs: int = 16  # envs per actor thread (one policy call per step)
@@ -102,32 +94,29 @@ class Args:
     machado: bool = False  # Machado et al. (2018): sticky actions, full action set, no life loss
     log_every: int | None = None  # updates between metrics rows (default: 10 images, 40 vectors)
     checkpoint_every: int = 100  # updates between checkpoints (and one at the end)
-    # Read by the plumbing appendix only: the run folder, resuming, a multi-host start.
-    exp_name: str = Path(__file__).stem  # experiment name, part of the run folder's name
+    # Read by the plumbing appendix only.
+    exp_name: str = Path(__file__).stem  # part of the run folder's name
     run_dir: str = "runs"  # parent folder of run folders
     resume: str | None = None  # checkpoint.npz to continue from (envs start afresh)
-    distributed: bool = False  # call jax.distributed.initialize() for a multi-host run
+    distributed: bool = False  # call jax.distributed.initialize() (multi-host)
     coordinator_address: str | None = None  # host:port of process 0 (JAX finds it on SLURM, Cloud TPU, Kubernetes)
     num_processes: int | None = None  # number of processes (multi-host)
-    process_id: int | None = None  # index of this process (multi-host)
+    process_id: int | None = None  # this process's index (multi-host)
     peer_timeout: int = 300  # seconds to wait for all processes to join
 
 
-# The defaults of the flags above that are None, by observations (check_args fills them in). Images: the IMPALA
-# paper's Atari settings (appendix G: 32 trajectories = 2 threads x 16 envs, unroll 20). Vectors: CartPole's values
-# grow to ~100 and RMSProp moves a weight about one step size per update: a large step size, many small updates.
-DEFAULTS = {
-    "image": dict(total_timesteps=10_000_000, learning_rate=6e-4, num_steps=20, rmsprop_eps=0.01, network="deep",
-                  log_every=10),
-    "vector": dict(total_timesteps=300_000, learning_rate=5e-3, num_steps=16, rmsprop_eps=1e-5, network="mlp",
-                   log_every=40),
-}
+# check_args fills the flags left at None from here. Images: the IMPALA paper's (appendix G: 32 envs, unroll 20).
+# Vectors: CartPole's values reach ~100, RMSProp moves a weight about one step size per update: large steps, many.
+DEFAULTS = {"image": dict(total_timesteps=10_000_000, learning_rate=6e-4, num_steps=20, rmsprop_eps=0.01,
+                          network="deep", log_every=10),
+            "vector": dict(total_timesteps=300_000, learning_rate=5e-3, num_steps=16, rmsprop_eps=1e-5,
+                           network="mlp", log_every=40)}
 
 
 # ---- The environment: stepped on the host by the actor threads (envpool or gymnasium) ------
 
 def atari_kwargs(machado):
-    """The IMPALA paper's protocol: a lost life ends a training episode, rewards clipped, 30 no-op starts."""
+    """The IMPALA and PPO papers' protocol: a lost life ends a training episode, rewards clipped, 30 no-op starts."""
     if machado:  # Machado et al. 2018; noop_max=1: no no-op starts (0 would crash envpool 1.2.5)
         return dict(episodic_life=False, reward_clip=True, noop_max=1,
                     repeat_action_probability=0.25, full_action_space=True)
@@ -138,7 +127,7 @@ class EnvInfo(NamedTuple):
     obs_shape: tuple  # images are [C, H, W], envpool's layout
     num_actions: int
     source: str  # "envpool" or "gymnasium"
-    atari: bool  # envpool Atari: the IMPALA paper's protocol; info["reward"] is the unclipped score
+    atari: bool  # envpool Atari (atari_kwargs); info["reward"] is the unclipped score
 
 
 def gym_name(env_id):
@@ -254,7 +243,7 @@ def env_step(envs, actions, sent=False):
 
 # ---- The network: IMPALA paper figure 3 (without the LSTM) for images, an MLP for vectors -
 
-IMPALA_CHANNELS = (16, 32, 32)  # deep: channels of its three stacks (conv, max-pool, two residual blocks)
+IMPALA_CHANNELS = (16, 32, 32)  # deep: three stacks of a conv, a max-pool and two residual blocks
 SHALLOW_CONVS = ((16, 8, 4), (32, 4, 2))  # shallow: (channels, kernel, stride), "VALID" padding
 
 
@@ -267,9 +256,7 @@ def conv_init(key, c_in, c_out, size=3):
 
 
 def init_params(key, obs_shape, num_actions, network):
-    """{"torso": the network's layers, "policy": ..., "value": ...}."""
-    # One key per layer in order (split's i-th key does not depend on how many are asked).
-    keys, torso = iter(jax.random.split(key, 32)), {}
+    keys, torso = iter(jax.random.split(key, 32)), {}  # one a layer, in order (the i-th is the same for any count)
     if network == "mlp":
         for head in ("policy", "value"):  # unshared: value errors would swamp the policy
             torso[f"{head}0"] = dense_init(next(keys), obs_shape[0], 64, np.sqrt(2))
@@ -279,9 +266,9 @@ def init_params(key, obs_shape, num_actions, network):
         c_in, (h, w) = obs_shape[0], obs_shape[1:]
         if network == "deep":
             for i, c in enumerate(IMPALA_CHANNELS):
-                torso[f"stack{i}"] = {"conv": conv_init(next(keys), c_in, c), **{
-                    f"block{j}": {"conv0": conv_init(next(keys), c, c), "conv1": conv_init(next(keys), c, c)}
-                    for j in range(2)}}
+                stack = torso[f"stack{i}"] = {"conv": conv_init(next(keys), c_in, c)}
+                for j in range(2):
+                    stack[f"block{j}"] = {"conv0": conv_init(next(keys), c, c), "conv1": conv_init(next(keys), c, c)}
                 c_in, h, w = c, (h + 1) // 2, (w + 1) // 2  # the max-pool ("SAME", stride 2) rounds up
         else:
             for i, (c, size, stride) in enumerate(SHALLOW_CONVS):
@@ -306,37 +293,29 @@ def image_input(obs):  # [N, C, H, W] -> [N, H, W, C] float: uint8 frames scaled
     return x / 255.0 if obs.dtype == jnp.uint8 else x
 
 
-def resnet_torso(p, obs):  # obs [N, C, H, W] -> the same [N, 256] features for both heads
+def features(p, obs, network):  # obs [N, *obs_shape] -> policy and value features: [N, 256] (mlp: [N, 64])
+    if network == "mlp":
+        return [jnp.tanh(dense(p[f"{head}1"], jnp.tanh(dense(p[f"{head}0"], obs)))) for head in ("policy", "value")]
     x = image_input(obs)
-    for i in range(len(IMPALA_CHANNELS)):
-        stack = p[f"stack{i}"]
-        x = conv(stack["conv"], x)  # then a 3x3 max-pool with stride 2:
-        x = jax.lax.reduce_window(x, -jnp.inf, jax.lax.max, (1, 3, 3, 1), (1, 2, 2, 1), "SAME")
-        for block in (stack["block0"], stack["block1"]):  # residual: x + conv(relu(conv(relu(x))))
-            x = x + conv(block["conv1"], jax.nn.relu(conv(block["conv0"], jax.nn.relu(x))))
-    x = jax.nn.relu(dense(p["dense"], jax.nn.relu(x).reshape(x.shape[0], -1)))
-    return x, x
-
-
-def shallow_torso(p, obs):  # obs [N, C, H, W] -> the same [N, 256] features for both heads
-    x = image_input(obs)
-    for i, (_, _, stride) in enumerate(SHALLOW_CONVS):
-        x = jax.nn.relu(conv(p[f"conv{i}"], x, stride, "VALID"))
+    if network == "deep":
+        for i in range(len(IMPALA_CHANNELS)):
+            stack = p[f"stack{i}"]
+            x = conv(stack["conv"], x)  # then a 3x3 max-pool with stride 2:
+            x = jax.lax.reduce_window(x, -jnp.inf, jax.lax.max, (1, 3, 3, 1), (1, 2, 2, 1), "SAME")
+            for block in (stack["block0"], stack["block1"]):  # residual: x + conv(relu(conv(relu(x))))
+                x = x + conv(block["conv1"], jax.nn.relu(conv(block["conv0"], jax.nn.relu(x))))
+        x = jax.nn.relu(x)
+    else:
+        for i, (_, _, stride) in enumerate(SHALLOW_CONVS):
+            x = jax.nn.relu(conv(p[f"conv{i}"], x, stride, "VALID"))
     x = jax.nn.relu(dense(p["dense"], x.reshape(x.shape[0], -1)))
-    return x, x
-
-
-def mlp_torso(p, obs):  # obs [N, D] -> [N, 64] policy features, [N, 64] value features
-    return [jnp.tanh(dense(p[f"{head}1"], jnp.tanh(dense(p[f"{head}0"], obs)))) for head in ("policy", "value")]
-
-
-TORSOS = {"deep": resnet_torso, "shallow": shallow_torso, "mlp": mlp_torso}
+    return x, x  # shared by both heads
 
 
 def apply(params, obs, network):
     """obs [..., *obs_shape] -> (policy logits [..., A], value [...])."""
     batch_shape = obs.shape[: obs.ndim - (1 if network == "mlp" else 3)]
-    policy_h, value_h = TORSOS[network](params["torso"], obs.reshape(-1, *obs.shape[len(batch_shape):]))
+    policy_h, value_h = features(params["torso"], obs.reshape(-1, *obs.shape[len(batch_shape):]), network)
     logits, value = dense(params["policy"], policy_h), dense(params["value"], value_h)[:, 0]
     return logits.reshape(*batch_shape, -1), value.reshape(batch_shape)
 
@@ -360,11 +339,9 @@ class VTrace(NamedTuple):
 def vtrace(values, rewards, discounts, rhos, valid, lambda_):
     """V-trace targets by the paper's recursion v_s - V(x_s) = delta_s + gamma_s c_s (v_{s+1} - V(x_{s+1})).
 
-    values [T+1, E] are V(x_0..x_T); the rest are [T, E]. discounts are gamma, or 0 where the
-    episode terminated (a time-limit truncation keeps gamma: x_{t+1} is then the final
-    observation, so it bootstraps from its value). A reset step (valid 0) contributes
-    nothing and cuts the trace, so no target reaches across an episode boundary.
-    """
+    values [T+1, E] are V(x_0..x_T), the rest [T, E]. discounts are gamma, or 0 where the episode terminated
+    (a truncation keeps gamma: x_{t+1} is then the final observation, so it bootstraps from its value). A reset
+    step (valid 0) contributes nothing and cuts the trace: no target reaches across an episode boundary."""
     clipped_rhos = jnp.minimum(1.0, rhos)  # rho-bar = c-bar = 1
     cs = lambda_ * clipped_rhos
     deltas = valid * clipped_rhos * (rewards + discounts * values[1:] - values[:-1])
@@ -374,8 +351,7 @@ def vtrace(values, rewards, discounts, rhos, valid, lambda_):
         correction = delta + ok * discount * c * correction
         return correction, correction
 
-    _, corrections = jax.lax.scan(backward, jnp.zeros_like(values[-1]),
-                                  (deltas, discounts, cs, valid), reverse=True)
+    _, corrections = jax.lax.scan(backward, jnp.zeros_like(values[-1]), (deltas, discounts, cs, valid), reverse=True)
     vs = values[:-1] + corrections
     vs_next = jnp.concatenate([vs[1:], values[-1:]])
     pg_advantages = valid * clipped_rhos * (rewards + discounts * vs_next - values[:-1])
@@ -576,15 +552,14 @@ class TrainState(NamedTuple):
     opt_state: optax.OptState
 
 
-def learning_rate(args, num_updates, update):
-    """The learning rate of update `update` (0 is the first)."""
+def learning_rate(args, num_updates, update):  # update 0 is the first
     return args.learning_rate * (1.0 - update / num_updates if args.anneal_lr else 1.0)
 
 
 def make_optimizer(args, num_updates):
-    """RMSProp (decay 0.99, no momentum) with global-norm clipping, as in the IMPALA paper. Epsilon goes
-    outside the root, as in torchbeast and Cleanba: inside (optax's default) 0.01 floors the denominator
-    at 0.1 and the policy barely moves on Atari."""
+    """RMSProp (decay 0.99, no momentum) and global-norm clipping, as in the IMPALA paper. Epsilon goes outside
+    the root, as in torchbeast and Cleanba: inside (optax's default) 0.01 floors the denominator at 0.1 and the
+    policy barely moves on Atari."""
     lr = lambda count: learning_rate(args, num_updates, count)
     return optax.chain(optax.clip_by_global_norm(args.max_grad_norm),
                        optax.rmsprop(lr, decay=0.99, eps=args.rmsprop_eps, eps_in_sqrt=False))
@@ -610,9 +585,8 @@ def make_update(args, mesh, num_updates):
     body = partial(learner_update, args=args, optimizer=make_optimizer(args, num_updates))
     # check_vma=False: the body sums the devices' gradients itself; with the check on, JAX would already
     # have summed those of the replicated (P()) parameters.
-    sharded = jax.shard_map(body, mesh=mesh, in_specs=(P(), P(None, "devices")), out_specs=(P(), P()),
-                            check_vma=False)
-    return jax.jit(sharded)
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P(None, "devices")), out_specs=(P(), P()),
+                                 check_vma=False))
 
 
 # ---- The device mapping: actor and learner devices on every host, rollouts between them ----

@@ -1,10 +1,6 @@
-"""Sebulba PPO: the Podracer paper's actor/learner split (Hessel et al. 2021, section 4)
-running the PPO Atari recipe (Schulman et al. 2017; the CleanRL/Cleanba settings).
-
-Environments run on the host CPU, so acting and learning run on separate devices: actor threads
-step their envs with a jitted policy; the learner, one `jit` + `shard_map` over the learner devices
-of every host, runs the update and sends new parameters back. Any envpool or gymnasium id with
-image observations (Atari `*-v5` with the PPO paper's protocol); for vectors see sebulba_impala.py.
+"""Sebulba PPO: the Podracer paper's actor/learner split (Hessel et al. 2021, section 4) running the PPO
+Atari recipe (Schulman et al. 2017; CleanRL's and Cleanba's settings) on an envpool id with images (Atari
+`*-v5` with the PPO paper's protocol) or a gymnasium id, stepped on the host CPU; vectors: sebulba_impala.py.
 
     host CPU (per host)                 actor device(s)              learner devices (all hosts)
     -------------------                 ---------------              ---------------------------
@@ -15,11 +11,9 @@ image observations (Atari `*-v5` with the PPO paper's protocol); for vectors see
                                         (device_put, bounded queue)  GAE, then epochs x minibatches
                                                                      of PPO, grads psum'd over all
                                    <------------------------------  new params (one update later)
-    Actors act with parameters at most one update old (logged as stats/param_lag; --no-policy-lag:
-    the newest). Decoupled PPO's loss (Hilton et al. 2021) still learns from the samples the lag
-    has pushed outside PPO's clip window (see decoupled_surrogate).
+    Actors act with parameters at most one update old (stats/param_lag; --no-policy-lag: the newest).
+    Decoupled PPO (Hilton et al. 2021) still learns from samples the lag put outside PPO's clip window.
 
-Examples:
     python sebulba_ppo_atari.py --env-id Breakout-v5
     python sebulba_ppo_atari.py --env-id Pong-v5 --actor-device-ids 0 --learner-device-ids 1 2 3
     python sebulba_ppo_atari.py --resume runs/Breakout-v5__sebulba_ppo_atari__1__1700000000/checkpoint.npz
@@ -45,7 +39,6 @@ import time
 import traceback
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from functools import cache, partial
 from pathlib import Path
 from typing import NamedTuple
@@ -72,18 +65,17 @@ import envpool
 import gymnasium as gym
 
 
-@dataclass
+@dataclasses.dataclass
 class Args:
-    """A host with N CPU cores and one GPU: the defaults act and learn on the GPU, envpool's threads share the cores.
-    More envs per policy call fill the GPU: try 2-4 actor threads x 32-64 envs with --async-envs (a larger batch also
-    changes what an update learns from); `python tests/benchmark.py --gpu-check` measures such a grid."""
+    """The defaults act and learn on one GPU. More envs per policy call fill it (a larger batch learns differently):
+    try 2-4 actor threads x 32-64 envs with --async-envs; `python tests/benchmark.py --gpu-check` measures them."""
 
     env_id: str = "Breakout-v5"  # an envpool id with images (Atari `*-v5`) or a gymnasium id (`module:Name-v0`)
     seed: int = 1  # seeds parameters, envs and sampling
     total_timesteps: int = 10_000_000  # agent steps of all envs of all hosts
     learning_rate: float = 2.5e-4  # Adam step size
     anneal_lr: bool = True  # anneal the learning rate linearly to 0
-    actor_device_ids: list[int] | None = None  # local device indices that act (default: device 0)
+    actor_device_ids: list[int] | None = None  # local device indices that act (default: 0)
     learner_device_ids: list[int] | None = None  # local device indices that learn (default: the others, else 0)
     num_actor_threads: int = 2  # per actor device: one steps its envs while another acts
     local_num_envs: int = 16  # envs per actor thread (one policy call per step)
@@ -101,21 +93,21 @@ class Args:
     machado: bool = False  # Machado et al. (2018): sticky actions, full action set, no life loss
     log_every: int = 1  # updates between metrics rows
     checkpoint_every: int = 50  # updates between checkpoints (and one at the end)
-    # Read by the plumbing appendix only: the run folder, resuming, a multi-host start.
-    exp_name: str = Path(__file__).stem  # experiment name, part of the run folder's name
+    # Read by the plumbing appendix only.
+    exp_name: str = Path(__file__).stem  # part of the run folder's name
     run_dir: str = "runs"  # parent folder of run folders
     resume: str | None = None  # checkpoint.npz to continue from (envs start afresh)
-    distributed: bool = False  # call jax.distributed.initialize() for a multi-host run
+    distributed: bool = False  # call jax.distributed.initialize() (multi-host)
     coordinator_address: str | None = None  # host:port of process 0 (JAX finds it on SLURM, Cloud TPU, Kubernetes)
     num_processes: int | None = None  # number of processes (multi-host)
-    process_id: int | None = None  # index of this process (multi-host)
+    process_id: int | None = None  # this process's index (multi-host)
     peer_timeout: int = 300  # seconds to wait for all processes to join
 
 
 # ---- The environment: stepped on the host by the actor threads (envpool or gymnasium) ------
 
 def atari_kwargs(machado):
-    """The PPO paper's protocol: a lost life ends a training episode, rewards clipped, 30 no-op starts."""
+    """The IMPALA and PPO papers' protocol: a lost life ends a training episode, rewards clipped, 30 no-op starts."""
     if machado:  # Machado et al. 2018; noop_max=1: no no-op starts (0 would crash envpool 1.2.5)
         return dict(episodic_life=False, reward_clip=True, noop_max=1,
                     repeat_action_probability=0.25, full_action_space=True)
@@ -126,7 +118,7 @@ class EnvInfo(NamedTuple):
     obs_shape: tuple  # [C, H, W], envpool's layout
     num_actions: int
     source: str  # "envpool" or "gymnasium"
-    atari: bool  # envpool Atari: the PPO paper's protocol; info["reward"] is the unclipped score
+    atari: bool  # envpool Atari (atari_kwargs); info["reward"] is the unclipped score
 
 
 def gym_name(env_id):
@@ -256,14 +248,12 @@ def dense_init(key, n_in, n_out, scale):
 
 
 def conv_init(key, c_in, c_out, size):
-    return {"w": jax.nn.initializers.orthogonal(np.sqrt(2))(key, (size, size, c_in, c_out)),
-            "b": jnp.zeros(c_out)}
+    return {"w": jax.nn.initializers.orthogonal(np.sqrt(2))(key, (size, size, c_in, c_out)), "b": jnp.zeros(c_out)}
 
 
 def init_params(key, obs_shape, num_actions):
     convs, hidden = layers(obs_shape)
-    # One key per layer in order (split's i-th key does not depend on how many are asked).
-    keys, torso = iter(jax.random.split(key, 32)), {}
+    keys, torso = iter(jax.random.split(key, 32)), {}  # one a layer, in order (the i-th is the same for any count)
     c_in, (h, w) = obs_shape[0], obs_shape[1:]
     for i, (c, size, stride) in enumerate(convs):
         torso[f"conv{i}"] = conv_init(next(keys), c_in, c, size)
@@ -310,11 +300,9 @@ def entropy(logits):
 def gae(rewards, values, terminated, dones, gamma, lam):
     """Advantages [T, E] from rewards, terminated, dones [T, E] and values [T + 1, E].
 
-    `values[t + 1]` is V of the observation step t returned. After a truncation that is the
-    final observation (envpool resets on the next step), so truncation bootstraps from it while
-    only `terminated` zeroes it; `dones` (terminated or truncated) stops the recursion, so the
-    autoreset step that follows an end never leaks into the old episode.
-    """
+    values[t + 1] is V of the observation step t returned: after a truncation the final observation (envpool
+    resets on the next step), so a truncation bootstraps from it and only `terminated` zeroes it. `dones` stops
+    the recursion, so the autoreset step after an end never leaks into the old episode."""
     deltas = rewards + gamma * values[1:] * (1.0 - terminated) - values[:-1]
 
     def backward(next_adv, x):
@@ -340,13 +328,11 @@ def clipped_surrogate(ratio, advantages, clip):
 
 
 def decoupled_surrogate(logp, prox_logp, behaviour_logp, advantages, clip):
-    """Per-sample decoupled PPO policy loss (Hilton et al. 2021, arXiv 2110.00641): the ratio is
-    clipped around the proximal policy pi_prox (the learner's parameters at the start of the
-    update), and pi_prox / mu reweights each sample drawn by the behaviour policy mu (the actor's
-    parameters, up to one update older). With pi_prox == mu this is PPO's clipped surrogate.
-
-    The weight is left unclipped, as in the paper: clipping would bias the update toward mu. One
-    update apart, it is near 1 for most samples; the global-norm gradient clip bounds an outlier."""
+    """Per-sample decoupled PPO policy loss (Hilton et al. 2021, arXiv 2110.00641): the ratio is clipped around
+    the proximal policy pi_prox (the learner's parameters at the update's start), and pi_prox / mu reweights each
+    sample of the behaviour policy mu (the actor's, up to one update older). With pi_prox == mu it is PPO's.
+    The weight is unclipped, as in the paper: clipping would bias the update toward mu. One update apart it is
+    near 1 for most samples; the global-norm gradient clip bounds an outlier."""
     weight = jax.lax.stop_gradient(jnp.exp(prox_logp - behaviour_logp))
     ratio = jnp.exp(logp - jax.lax.stop_gradient(prox_logp))
     return weight * clipped_surrogate(ratio, advantages, clip)
@@ -358,8 +344,7 @@ def clipped_value_loss(values, old_values, returns, clip):
     return 0.5 * jnp.maximum((values - returns) ** 2, (clipped - returns) ** 2)
 
 
-class Samples(NamedTuple):
-    """Flattened [N] learning samples on one learner."""
+class Samples(NamedTuple):  # flattened [N] learning samples on one learner
     obs: jax.Array  # [N, *obs_shape]
     actions: jax.Array
     logprobs: jax.Array  # log mu, stored at acting time
@@ -376,8 +361,8 @@ class Losses(NamedTuple):
     entropy: jax.Array
     approx_kl: jax.Array  # of pi from pi_prox: how far this update has moved
     clipfrac: jax.Array  # pi / pi_prox outside the clip window
-    # pi / mu outside the window in an update's first minibatch, where pi == pi_prox: the samples
-    # lag alone put there, which plain PPO (window around mu) would learn nothing from.
+    # pi / mu outside the window in an update's first minibatch (pi == pi_prox): the samples the lag alone put
+    # there, which plain PPO (window around mu) would learn nothing from.
     clipfrac_first: jax.Array
 
 
@@ -580,8 +565,7 @@ class TrainState(NamedTuple):
     key: jax.Array  # minibatch shuffling, the same on every learner
 
 
-def learning_rate(args, num_updates, update):
-    """The learning rate of update `update` (0 is the first)."""
+def learning_rate(args, num_updates, update):  # update 0 is the first
     return args.learning_rate * (1.0 - update / num_updates if args.anneal_lr else 1.0)
 
 
@@ -599,8 +583,7 @@ def init_state(key, args, env_info, num_updates):
 
 
 def prox_log_probs(params, samples, chunks):
-    """log pi_prox(a | s) of every sample, before the update's first step: in `chunks` pieces, so it
-    needs no more memory than a minibatch."""
+    """log pi_prox(a | s) of every sample at the update's start, in `chunks` pieces: no more memory than a minibatch."""
     split = lambda x: x.reshape(chunks, -1, *x.shape[1:])
     logp = jax.lax.map(lambda c: log_prob(apply(params, c[0])[0], c[1]), (split(samples.obs), split(samples.actions)))
     return logp.reshape(-1)
@@ -617,8 +600,7 @@ def learner_update(state, rollout, args, optimizer):
     params, opt_state, key = state
     samples = samples._replace(prox_logprobs=prox_log_probs(params, samples, args.num_minibatches))
     losses = []
-    # Epochs and minibatches are Python loops, unrolled inside the jit: on XLA:CPU a conv
-    # gradient inside lax.scan runs far slower (jax issue 12868).
+    # Python loops, unrolled inside the jit: on XLA:CPU a conv gradient inside lax.scan runs far slower (jax 12868).
     for _ in range(args.update_epochs):
         key, sub = jax.random.split(key)
         order = jax.random.permutation(sub, samples.actions.shape[0]).reshape(args.num_minibatches, -1)
@@ -639,9 +621,8 @@ def make_update(args, mesh, num_updates):
     body = partial(learner_update, args=args, optimizer=make_optimizer(args, num_updates))
     # check_vma=False: the body sums the devices' gradients itself; with the check on, JAX would already
     # have summed those of the replicated (P()) parameters.
-    sharded = jax.shard_map(body, mesh=mesh, in_specs=(P(), P(None, "devices")), out_specs=(P(), P()),
-                            check_vma=False)
-    return jax.jit(sharded)
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P(None, "devices")), out_specs=(P(), P()),
+                                 check_vma=False))
 
 
 # ---- The device mapping: actor and learner devices on every host, rollouts between them ----
