@@ -129,8 +129,7 @@ class EnvInfo(NamedTuple):
 
 
 def env_spaces(env_id, machado):
-    """(observation space, action space, source, atari) of an envpool id, else of a gymnasium one: `Name-v0`, or
-    `module:Name-v0` once its module is imported."""
+    """(observation space, action space, source, atari) of an envpool id, else a gymnasium one (`module:Name-v0`)."""
     if env_id in envpool.list_all_envs():
         atari = hasattr(envpool.make_spec(env_id).config, "episodic_life")
         spec = envpool.make_spec(env_id, **(atari_kwargs(machado) if atari else {}))
@@ -184,7 +183,7 @@ def make_envs(args, num_envs, seed):
     if env_info.source == "gymnasium":  # autoresets on the next step, like envpool
         pool = gym.make_vec(args.env_id.rpartition(":")[2], num_envs=num_envs, vectorization_mode="sync")
         return Envs(pool=pool, env_info=env_info, seed=seed)
-    # envpool's threads: the host's cores shared out among all env batches (two a thread with --async-envs)
+    # envpool's threads: the host's cores shared out among all env batches, not one per core each
     batches = len(args.actor_device_ids or [0]) * args.num_actor_threads * (2 if args.async_envs else 1)
     threads = min(num_envs, max(1, len(os.sched_getaffinity(0)) // batches))
     pool = envpool.make(args.env_id, env_type="gymnasium", num_envs=num_envs, seed=seed, num_threads=threads,
@@ -517,7 +516,7 @@ class ParamStore:
             return self.version, self.params
 
 
-class Shared(NamedTuple):  # by this host's actor threads and learner loop
+class Shared(NamedTuple):  # what this host's actor threads and learner loop share
     layout: "Layout"
     store: ParamStore  # parameters to the actors
     queues: list  # rollouts to the learner, one bounded queue per actor thread
@@ -662,7 +661,6 @@ def pick_devices(args):
 
 
 def start_actors(args, shared):
-    """This host's actor threads, one queue each."""
     threads = [threading.Thread(target=actor_thread, args=(args, shared, i), name=f"actor{i}", daemon=True)
                for i in range(len(shared.queues))]
     for t in threads:
@@ -699,8 +697,7 @@ def receive(shared):
 
 
 def learn(args, shared, state):
-    """The learner (paper section 4): receive rollouts, update, publish the parameters, report. Returns the state
-    and the last metrics row."""
+    """The learner (paper section 4): receive rollouts, update, publish, report. Returns the state and last row."""
     update_fn, start, row = make_update(args, shared.layout.mesh, shared.num_updates), time.perf_counter(), {}
     window = Window(start=start, actors=[], losses=[], learner=[])
     for update in range(shared.start_update + 1, shared.num_updates + 1):
@@ -723,8 +720,7 @@ def learn(args, shared, state):
 
 
 def checkpoint(args, shared, state, update, last=False):
-    """The safe point after `update`: a checkpoint every --checkpoint-every updates and at the last; on a stop
-    signal caught by any process, one, then exit."""
+    """The safe point after `update`: a checkpoint when due or `last`; on a stop signal in any process, one and exit."""
     def write():  # process 0 alone fetches the replicated state: the others would only pay the transfer
         if shared.run.checkpoint is not None:
             save(shared.run, {"state": jax.device_get(local(state)), "update": np.int64(update),
