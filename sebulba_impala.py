@@ -531,7 +531,7 @@ def actor_loop(args, shared, i):
     device = shared.layout.actor_devices[i // args.num_actor_threads]
     index = jax.process_index() * len(shared.queues) + i  # among all hosts' threads
     groups, states = start_groups(args, index, device, shared.start_update)
-    learners, seconds = shared.layout.learner_devices, defaultdict(float, actor_queue_wait=0.0)
+    seconds = defaultdict(float, actor_queue_wait=0.0)  # this rollout's timings
     for u in range(shared.start_update, shared.num_updates):
         # Rollout u feeds update u + 1 and may act with version u - 1 (lag 1): V-trace corrects for it.
         with timer(seconds, "actor_params_wait"):
@@ -539,8 +539,9 @@ def actor_loop(args, shared, i):
         stats = ActorStats(returns=[], lengths=[], lag=u - version, seconds=seconds)
         with timer(seconds, "rollout_time"):
             rollout, states = collect(args, groups, params[device], states, stats)
+            learners = shared.layout.learner_devices  # a share of the envs each
             parts = [jax.device_put(jax.tree.map(lambda x: np.split(x, len(learners), axis=1)[k], rollout), d)
-                     for k, d in enumerate(learners)]  # a share of the envs each
+                     for k, d in enumerate(learners)]
         seconds = defaultdict(float)  # the next rollout's
         with timer(seconds, "actor_queue_wait"):
             until_stopped(shared.queues[i].put, shared.stop.is_set, (parts, stats))
