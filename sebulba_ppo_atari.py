@@ -121,8 +121,12 @@ class EnvInfo(NamedTuple):
     atari: bool  # envpool Atari (atari_kwargs); info["reward"] is the unclipped score
 
 
-def gym_name(env_id):
-    """The gymnasium name in `module:Name-v0` or `Name-v0`, once its module is imported."""
+def env_spaces(env_id, machado):
+    """(observation space, action space, source, atari) of an envpool id, else a gymnasium one (`module:Name-v0`)."""
+    if env_id in envpool.list_all_envs():
+        atari = hasattr(envpool.make_spec(env_id).config, "episodic_life")
+        spec = envpool.make_spec(env_id, **(atari_kwargs(machado) if atari else {}))
+        return spec.observation_space, spec.action_space, "envpool", atari
     module, _, name = env_id.rpartition(":")
     try:
         importlib.import_module(module) if module else None
@@ -131,18 +135,7 @@ def gym_name(env_id):
     if name not in gym.registry:
         close = difflib.get_close_matches(name, [*envpool.list_all_envs(), *gym.registry], n=3)
         fail(f"--env-id {env_id!r}: unknown environment; close matches: {', '.join(close) or 'none'}")
-    return name
-
-
-def env_spaces(env_id, machado):
-    """(observation space, action space, source, atari) of an envpool or else a gymnasium id."""
-    if env_id in envpool.list_all_envs():
-        spec = envpool.make_spec(env_id)
-        atari = hasattr(spec.config, "episodic_life")
-        if atari:
-            spec = envpool.make_spec(env_id, **atari_kwargs(machado))
-        return spec.observation_space, spec.action_space, "envpool", atari
-    probe = gym.make(gym_name(env_id))  # gymnasium's spaces need an instance
+    probe = gym.make(name)  # gymnasium's spaces need an instance
     probe.close()
     return probe.observation_space, probe.action_space, "gymnasium", False
 
@@ -158,7 +151,7 @@ def describe_env(env_id, machado):
     if not isinstance(obs_space, gym.spaces.Box) or len(obs_space.shape) != 3:
         fail(f"--env-id {env_id!r} needs image observations, not {obs_space} (vectors: sebulba_impala.py)")
     shape = obs_space.shape
-    if source == "gymnasium":  # gymnasium images are [H, W, C]
+    if source == "gymnasium" and len(shape) == 3:  # gymnasium images are [H, W, C]
         shape = (shape[2], shape[0], shape[1])
     return EnvInfo(obs_shape=tuple(shape), num_actions=int(act_space.n), source=source, atari=atari)
 
@@ -180,34 +173,25 @@ class Envs(NamedTuple):  # one batch of envs, stepped together
 
 def make_envs(args, num_envs, seed):
     env_info = describe_env(args.env_id, args.machado)
-    if env_info.source == "envpool":
-        kwargs = atari_kwargs(args.machado) if env_info.atari else {}
-        pool = envpool.make(args.env_id, env_type="gymnasium", num_envs=num_envs, seed=seed,
-                            num_threads=min(num_envs, pool_threads(args)), **kwargs)
-    else:  # autoresets on the next step, like envpool
+    if env_info.source == "gymnasium":  # autoresets on the next step, like envpool
         pool = gym.make_vec(args.env_id.rpartition(":")[2], num_envs=num_envs, vectorization_mode="sync")
+        return Envs(pool=pool, env_info=env_info, seed=seed)
+    # envpool's threads: the host's cores shared out among all env batches, not one per core each
+    batches = len(args.actor_device_ids or [0]) * args.num_actor_threads * (2 if args.async_envs else 1)
+    threads = min(num_envs, max(1, len(os.sched_getaffinity(0)) // batches))
+    pool = envpool.make(args.env_id, env_type="gymnasium", num_envs=num_envs, seed=seed, num_threads=threads,
+                        **(atari_kwargs(args.machado) if env_info.atari else {}))
     return Envs(pool=pool, env_info=env_info, seed=seed)
-
-
-def env_groups(args):  # env batches per actor thread: with --async-envs two take turns (see collect)
-    return 2 if args.async_envs else 1
-
-
-def pool_threads(args):
-    """envpool threads per env batch: the host's cores shared out, not one per core each."""
-    batches = len(args.actor_device_ids or [0]) * args.num_actor_threads * env_groups(args)
-    return max(1, len(os.sched_getaffinity(0)) // batches)
 
 
 def host_obs(obs, env_info):
     """envpool's layout and no float64: gymnasium images [E, H, W, C] -> [E, C, H, W]."""
-    if env_info.source == "gymnasium":
+    if env_info.source == "gymnasium" and obs.ndim == 4:
         obs = np.moveaxis(obs, -1, 1)
     return obs.astype(np.float32) if obs.dtype == np.float64 else obs
 
 
 def env_reset(envs):
-    """The first observations [E, *obs_shape]."""
     obs, _ = envs.pool.reset() if envs.env_info.source == "envpool" else envs.pool.reset(seed=envs.seed)
     return host_obs(obs, envs.env_info)
 
@@ -398,8 +382,7 @@ def act(params, obs, key):
     return actions, log_prob(logits, actions), values, key
 
 
-class Rollout(NamedTuple):
-    """`--num-steps` transitions (collect first builds one a step, without T)."""
+class Rollout(NamedTuple):  # --num-steps steps of E envs
     obs: np.ndarray  # [T, E, *obs_shape]
     actions: np.ndarray  # [T, E]
     logprobs: np.ndarray  # [T, E] of the behaviour policy mu
@@ -427,9 +410,9 @@ class ActorStats(NamedTuple):  # sent with each rollout
 
 def track_games(state, step, stats):
     """The ActorState after `step`; the games it ended go to `stats`."""
-    # A reset step (after any episode's end, a life lost too) ignores the action: it is no step of a game.
-    played, over = ~state.ended, step.game_over
-    game_return, game_length = state.game_return + step.score, state.game_length + played
+    game_return = state.game_return + step.score
+    game_length = state.game_length + np.where(state.ended, 0, 1)  # a reset step is no step of a game
+    over = step.game_over
     stats.returns.extend(game_return[over].tolist())
     stats.lengths.extend(game_length[over].tolist())
     return ActorState(obs=step.obs, key=state.key, ended=step.ended,
@@ -437,47 +420,54 @@ def track_games(state, step, stats):
 
 
 def collect(args, groups, params, states, stats):
-    """Step each group of envs --num-steps times, the groups taking turns: envpool steps one while the policy
-    acts for the next. Only the actions leave the actor device each step. Returns the Rollout and ActorStates."""
-    steps, sent, states = [[] for _ in groups], [None] * len(groups), list(states)
+    """--num-steps steps of each group of envs, taking turns: envpool steps one while the policy acts for the
+    next. Returns the Rollout (the groups side by side along E) and the next ActorStates."""
+    steps, states = [[] for _ in groups], list(states)  # per group: a dict of [E] arrays a step
     for t in range(args.num_steps + 1):
         for g, envs in enumerate(groups):
             if t > 0:  # the step this group sent at t - 1
-                obs, actions, logprobs, values = sent[g]
                 with timer(stats.seconds, "env_step_time"):
-                    step = env_step(envs, actions, sent=True)
-                steps[g].append(Rollout(obs=obs, actions=actions, logprobs=logprobs, values=values, rewards=step.reward,
-                                        terminated=step.terminated, dones=step.ended, valid=~states[g].ended))
+                    step = env_step(envs, steps[g][-1]["actions"], sent=True)
+                steps[g][-1].update(rewards=step.reward, terminated=step.terminated.astype(np.float32),
+                                    dones=step.ended.astype(np.float32), valid=(~states[g].ended).astype(np.float32))
                 states[g] = track_games(states[g], step, stats)
             if t < args.num_steps:
                 with timer(stats.seconds, "inference_time"):
                     actions, logprobs, values, key = act(params, states[g].obs, states[g].key)
-                    actions = np.asarray(actions)
+                    actions = np.asarray(actions)  # the rest stays on the actor device until the end
                 env_send(envs, actions)
-                sent[g], states[g] = (states[g].obs, actions, logprobs, values), states[g]._replace(key=key)
+                steps[g].append(dict(obs=states[g].obs, actions=actions, logprobs=logprobs, values=values))
+                states[g] = states[g]._replace(key=key)
     bootstrap = []  # V of each group's observation after its last step
     for g, state in enumerate(states):
         _, _, value, key = act(params, state.obs, state.key)
         bootstrap, states[g] = bootstrap + [value], state._replace(key=key)
-    # The rest comes off the actor device in one go; the groups side by side: [T, E, ...]
-    rollout = jax.tree.map(lambda *x: np.concatenate(x, axis=1), *[
-        jax.tree.map(lambda *x: np.stack(jax.device_get(x)), *group_steps) for group_steps in steps])
-    rollout = rollout._replace(values=np.concatenate([rollout.values, np.concatenate(jax.device_get(bootstrap))[None]]),
-                               **{f: getattr(rollout, f).astype(np.float32) for f in ("terminated", "dones", "valid")})
-    return rollout, states
+    rollout = jax.tree.map(lambda *x: np.concatenate(x, axis=1), *[  # [T, E, ...]
+        jax.tree.map(lambda *x: np.stack(jax.device_get(x)), *group) for group in steps])
+    rollout["values"] = np.concatenate([rollout["values"], np.concatenate(jax.device_get(bootstrap))[None]])
+    return Rollout(**rollout), states
 
 
 def start_groups(args, index, device, start_update):
-    """Actor thread `index`'s groups of envs and their first ActorStates."""
-    n = args.local_num_envs // env_groups(args)
+    """Actor thread `index`'s groups of envs (two with --async-envs) and their first ActorStates."""
+    num_groups = 2 if args.async_envs else 1
+    n = args.local_num_envs // num_groups
     groups, states = [], []
-    for i in range(index * env_groups(args), (index + 1) * env_groups(args)):
+    for i in range(index * num_groups, (index + 1) * num_groups):
         groups.append(make_envs(args, n, args.seed + i * n))
         # Each group, and a resumed run, samples from its own stream.
         key = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(args.seed), start_update), 1 + i)
         states.append(ActorState(obs=env_reset(groups[-1]), key=jax.device_put(key, device), ended=np.zeros(n, bool),
                                  game_return=np.zeros(n), game_length=np.zeros(n, int)))
     return groups, states
+
+
+@contextlib.contextmanager
+def timer(seconds, name):
+    """Add the seconds the `with` block takes to seconds[name]."""
+    start = time.perf_counter()
+    yield
+    seconds[name] += time.perf_counter() - start
 
 
 class Stopped(Exception):
@@ -487,74 +477,74 @@ class Stopped(Exception):
 def until_stopped(op, stopping, *op_args):
     """`q.put` or `q.get`, raising Stopped once `stopping()`."""
     while not stopping():
-        try:
+        with contextlib.suppress(queue.Full, queue.Empty):
             return op(*op_args, timeout=0.5)
-        except (queue.Full, queue.Empty):
-            pass
     raise Stopped
 
 
 class ParamStore:
-    """The newest parameters on every actor device, and their version (updates made)."""
+    """The newest parameters, a copy on each actor device, and their version (updates made)."""
 
-    def __init__(self):
-        self.cond, self.version, self.params = threading.Condition(), -1, None
+    def __init__(self, devices):
+        self.cond, self.devices, self.version, self.params = threading.Condition(), devices, -1, None
 
-    def publish(self, version, params):
+    def publish(self, version, params):  # params: the learners' replicated global arrays
+        params = {d: jax.device_put(local(params), d) for d in self.devices}
         with self.cond:
             self.version, self.params = version, params
             self.cond.notify_all()
 
     def wait(self, min_version, stop):  # -> (version, params) once version >= min_version
         with self.cond:
-            while self.version < min_version:
+            while not self.cond.wait_for(lambda: self.version >= min_version, timeout=0.5):
                 if stop.is_set():
                     raise Stopped
-                self.cond.wait(timeout=0.5)
             return self.version, self.params
 
 
-class Actor(NamedTuple):  # an actor thread's
-    index: int  # among all hosts' threads: seeds its envs
-    device: jax.Device
-    learner_devices: list  # this host's
-    store: ParamStore
-    out: queue.Queue  # bounded: (rollout parts, ActorStats)
-    stop: threading.Event  # set at the end or on a failure
-    errors: list  # tracebacks for main to print
-    start_update: int
+class Shared(NamedTuple):  # what this host's actor threads and learner loop share
+    layout: "Layout"
+    store: ParamStore  # parameters to the actors
+    queues: list  # rollouts to the learner, one bounded queue per actor thread
+    stop: threading.Event  # set at the end or when an actor thread fails
+    errors: list  # the failed threads' tracebacks
+    caught: list  # stop signals (catch_stop_signals)
+    run: "Run"  # the run folder (plumbing)
+    start_update: int  # the update this run starts after (a resumed run's)
     num_updates: int
+    batch: int  # steps per update
 
 
-def actor_loop(args, actor):
-    """One actor thread (paper section 4): act, ship each rollout to the learners."""
-    groups, states = start_groups(args, actor.index, actor.device, actor.start_update)
-    queue_wait = 0.0  # reported with the next rollout
-    for u in range(actor.start_update, actor.num_updates):
-        seconds = defaultdict(float, actor_queue_wait=queue_wait)
+def actor_loop(args, shared, i):
+    """Actor thread i of this host (paper section 4): act, ship each rollout to the learners."""
+    device = shared.layout.actor_devices[i // args.num_actor_threads]
+    index = jax.process_index() * len(shared.queues) + i  # among all hosts' threads
+    groups, states = start_groups(args, index, device, shared.start_update)
+    seconds = defaultdict(float, actor_queue_wait=0.0)  # this rollout's timings
+    for u in range(shared.start_update, shared.num_updates):
         # Rollout u feeds update u + 1 and may act with version u - 1 (lag 1); --no-policy-lag waits for u.
         with timer(seconds, "actor_params_wait"):
-            version, params = actor.store.wait(u - int(args.policy_lag), actor.stop)
+            version, params = shared.store.wait(u - int(args.policy_lag), shared.stop)
         stats = ActorStats(returns=[], lengths=[], lag=u - version, seconds=seconds)
         with timer(seconds, "rollout_time"):
-            rollout, states = collect(args, groups, params[actor.device], states, stats)
-            n = len(actor.learner_devices)  # a share of the envs each
-            parts = [jax.device_put(jax.tree.map(lambda x: np.split(x, n, axis=1)[i], rollout), d)
-                     for i, d in enumerate(actor.learner_devices)]
-        start = time.perf_counter()
-        until_stopped(actor.out.put, actor.stop.is_set, (parts, stats))
-        queue_wait = time.perf_counter() - start
+            rollout, states = collect(args, groups, params[device], states, stats)
+            learners = shared.layout.learner_devices  # a share of the envs each
+            parts = [jax.device_put(jax.tree.map(lambda x: np.split(x, len(learners), axis=1)[k], rollout), d)
+                     for k, d in enumerate(learners)]
+        seconds = defaultdict(float)  # the next rollout's
+        with timer(seconds, "actor_queue_wait"):
+            until_stopped(shared.queues[i].put, shared.stop.is_set, (parts, stats))
 
 
-def actor_thread(args, actor):
+def actor_thread(args, shared, i):
     """A failure stops the run; main prints its traceback."""
     try:
-        actor_loop(args, actor)
+        actor_loop(args, shared, i)
     except Stopped:
         pass
     except BaseException:
-        actor.errors.append(f"in thread {threading.current_thread().name}:\n{traceback.format_exc()}")
-        actor.stop.set()
+        shared.errors.append(f"in thread {threading.current_thread().name}:\n{traceback.format_exc()}")
+        shared.stop.set()
 
 
 # ---- Learning (learner devices): one PPO update in one compiled call ------------------------
@@ -653,24 +643,17 @@ def pick_devices(args):
                   num_envs=num_envs)
 
 
-def start_actors(args, layout, store, stop, errors, start_update, num_updates):
-    """This host's actor threads, each with its own bounded queue."""
-    devices = [d for d in layout.actor_devices for _ in range(args.num_actor_threads)]
-    offset = jax.process_index() * len(devices)  # env seeds differ across hosts
-    actors = [Actor(index=offset + i, device=device, learner_devices=layout.learner_devices, store=store,
-                    out=queue.Queue(maxsize=1), stop=stop, errors=errors, start_update=start_update,
-                    num_updates=num_updates) for i, device in enumerate(devices)]
-    threads = [threading.Thread(target=actor_thread, args=(args, actor), name=f"actor{actor.index}", daemon=True)
-               for actor in actors]
+def start_actors(args, shared):
+    threads = [threading.Thread(target=actor_thread, args=(args, shared, i), name=f"actor{i}", daemon=True)
+               for i in range(len(shared.queues))]
     for t in threads:
         t.start()
-    return [actor.out for actor in actors], threads
+    return threads
 
 
 def assemble(parts, layout):
     """One global Rollout [T, all envs, ...] from the actor threads' parts."""
-    per_device = [jax.tree.map(lambda *x: jnp.concatenate(x, axis=1), *[p[i] for p in parts])
-                  for i in range(len(layout.learner_devices))]
+    per_device = [jax.tree.map(lambda *x: jnp.concatenate(x, axis=1), *shares) for shares in zip(*parts)]
     sharding = NamedSharding(layout.mesh, P(None, "devices"))
 
     def glue(*shards):
@@ -685,64 +668,49 @@ def local(tree):
     return jax.tree.map(lambda x: x.addressable_shards[0].data, tree)
 
 
-def to_actors(params, layout):
-    return {d: jax.device_put(local(params), d) for d in layout.actor_devices}
-
-
 # ---- The learner loop (main thread): rollouts in, updates, parameters out ----------------
 
-class Loop(NamedTuple):  # the learner loop's
-    layout: Layout
-    update_fn: object  # make_update's
-    queues: list  # one per local actor thread
-    store: ParamStore
-    stop: threading.Event
-    caught: list  # stop signals (catch_stop_signals)
-    run: "Run"  # the run folder (plumbing)
-    start_update: int  # the update this run starts after (a resumed run's)
-    num_updates: int
-    batch: int  # steps per update
-    start: float  # time.perf_counter()
-
-
-def receive(loop):
+def receive(shared):
     """Every local actor thread's (rollout parts, ActorStats); None once a stop signal is caught."""
-    try:
-        return [until_stopped(q.get, lambda: loop.stop.is_set() or bool(loop.caught)) for q in loop.queues]
-    except Stopped:
-        if loop.stop.is_set():  # an actor thread failed
-            raise
-        return None
+    with contextlib.suppress(Stopped):
+        return [until_stopped(q.get, lambda: shared.stop.is_set() or bool(shared.caught)) for q in shared.queues]
+    if shared.stop.is_set():  # an actor thread failed
+        raise Stopped
+    return None
 
 
-def learn(args, loop, state):
-    """Receive rollouts, update, publish the parameters, report. Returns the state and the last metrics row."""
-    window, row = new_window(), {}
-    for update in range(loop.start_update + 1, loop.num_updates + 1):
+def learn(args, shared, state):
+    """The learner (paper section 4): receive rollouts, update, publish, report. Returns the state and last row."""
+    update_fn, start, row = make_update(args, shared.layout.mesh, shared.num_updates), time.perf_counter(), {}
+    window = Window(start=start, actors=[], losses=[], learner=[])
+    for update in range(shared.start_update + 1, shared.num_updates + 1):
         seconds = defaultdict(float)
         with timer(seconds, "learner_queue_wait"):
-            received = receive(loop)
-        done = update - 1  # the safe point: a checkpoint when due; on a stop signal, exit
-        safe_point(loop.caught, done, loop.run, partial(checkpoint, args, loop, state, done),
-                   due=done > loop.start_update and done % args.checkpoint_every == 0)
+            received = receive(shared)
+        checkpoint(args, shared, state, update - 1)  # the safe point between updates: may exit
         with timer(seconds, "learner_time"):
-            state, losses = loop.update_fn(state, assemble([parts for parts, _ in received], loop.layout))
-            loop.store.publish(update, to_actors(state.params, loop.layout))
+            state, losses = update_fn(state, assemble([parts for parts, _ in received], shared.layout))
+            shared.store.publish(update, state.params)
             losses = jax.device_get(local(losses))
-        check_finite(losses._asdict(), update, loop.run)
+        check_finite(losses._asdict(), update, shared.run)
         window.losses.append(losses)
         window.learner.append(seconds)
         window.actors.extend(stats for _, stats in received)
-        if update % args.log_every == 0 or update in (loop.start_update + 1, loop.num_updates):
-            row, window = report(args, loop, window, update), new_window()
+        if update % args.log_every == 0 or update in (shared.start_update + 1, shared.num_updates):
+            row = report(args, shared, window, update, start)
+            window = Window(start=time.perf_counter(), actors=[], losses=[], learner=[])
     return state, row
 
 
-def checkpoint(args, loop, state, update):
-    """Process 0 fetches the replicated state and saves it (the others would only pay the transfer)."""
-    if loop.run.checkpoint is not None:
-        save(loop.run, {"state": jax.device_get(local(state)), "update": np.int64(update),
-                        "global_step": np.int64(update * loop.batch)}, args)
+def checkpoint(args, shared, state, update, last=False):
+    """The safe point after `update`: a checkpoint when due or `last`; on a stop signal in any process, one and exit."""
+    def write():  # process 0 alone fetches the replicated state: the others would only pay the transfer
+        if shared.run.checkpoint is not None:
+            save(shared.run, {"state": jax.device_get(local(state)), "update": np.int64(update),
+                              "global_step": np.int64(update * shared.batch)}, args)
+
+    due = last or (update > shared.start_update and update % args.checkpoint_every == 0)
+    safe_point(shared.caught, update, shared.run, write, due)
 
 
 def initial_state(args, env_info, layout, batch):
@@ -765,24 +733,12 @@ class Window(NamedTuple):  # since the last metrics row
     learner: list  # timings of every update
 
 
-def new_window():
-    return Window(start=time.perf_counter(), actors=[], losses=[], learner=[])
-
-
-@contextlib.contextmanager
-def timer(seconds, name):
-    """Add the seconds the `with` block takes to seconds[name]."""
-    start = time.perf_counter()
-    yield
-    seconds[name] += time.perf_counter() - start
-
-
-def report(args, loop, window, update):
-    """Log the window's means as a metrics row; returns it."""
+def report(args, shared, window, update, start):
+    """Log the window's means (of the lag: its largest) as a metrics row; returns it."""
     mean = lambda xs: float(np.mean(xs))
-    row = {"global_step": update * loop.batch, "update": update,
-           "charts/SPS": len(window.losses) * loop.batch / (time.perf_counter() - window.start),
-           "charts/learning_rate": learning_rate(args, loop.num_updates, update - 1),  # the last update's
+    row = {"global_step": update * shared.batch, "update": update,
+           "charts/SPS": len(window.losses) * shared.batch / (time.perf_counter() - window.start),
+           "charts/learning_rate": learning_rate(args, shared.num_updates, update - 1),  # the last update's
            "stats/param_lag": max(s.lag for s in window.actors),
            **{f"losses/{k}": mean(v) for k, v in zip(Losses._fields, zip(*window.losses))},
            **{f"stats/{k}": mean([s.seconds[k] for s in window.actors]) for k in window.actors[0].seconds},
@@ -790,8 +746,8 @@ def report(args, loop, window, update):
     if returns := [r for s in window.actors for r in s.returns]:
         row["charts/episodic_return"] = mean(returns)
         row["charts/episodic_length"] = mean([n for s in window.actors for n in s.lengths])
-    eta = (time.perf_counter() - loop.start) / (update - loop.start_update) * (loop.num_updates - update)
-    log(loop.run, row, loop.num_updates, loop.num_updates * loop.batch, eta)
+    eta = (time.perf_counter() - start) / (update - shared.start_update) * (shared.num_updates - update)
+    log(shared.run, row, shared.num_updates, shared.num_updates * shared.batch, eta)
     return row
 
 
@@ -811,7 +767,7 @@ def check_sizes(args, layout, env_info):
     n_learners = len(layout.learner_devices)
     if args.local_num_envs % n_learners:
         fail(f"--local-num-envs {args.local_num_envs} must divide evenly across {n_learners} learner devices")
-    if args.local_num_envs % env_groups(args):
+    if args.async_envs and args.local_num_envs % 2:
         fail(f"--local-num-envs {args.local_num_envs} must be even with --async-envs (two halves take turns)")
     check_seed(args.seed, 2**31 - layout.num_envs + 1)  # env i of the run is seeded with seed + i
     # Each actor thread's rollouts: one collected, one queued, one learned from.
@@ -840,25 +796,23 @@ def main(args):
     num_updates = args.total_timesteps // batch
     state, start_update = initial_state(args, env_info, layout, batch)
     run = open_run(args)
-    stop, store, errors = threading.Event(), ParamStore(), []
-    store.publish(start_update, to_actors(state.params, layout))
-    queues, threads = start_actors(args, layout, store, stop, errors, start_update, num_updates)
+    queues = [queue.Queue(maxsize=1) for _ in layout.actor_devices for _ in range(args.num_actor_threads)]
+    shared = Shared(layout=layout, store=ParamStore(layout.actor_devices), queues=queues, stop=threading.Event(),
+                    errors=[], caught=caught, run=run, start_update=start_update, num_updates=num_updates, batch=batch)
+    shared.store.publish(start_update, state.params)
+    threads = start_actors(args, shared)
     say(f"{args.env_id}: {num_updates - start_update} updates of {batch:,} steps; actor devices "
         f"{[d.id for d in layout.actor_devices]} x {args.num_actor_threads} threads x {args.local_num_envs} envs; "
-        f"learner devices {[d.id for d in layout.learner_devices]} ({layout.mesh.size} on {jax.process_count()} "
-        "host(s))")
-    loop = Loop(layout=layout, update_fn=make_update(args, layout.mesh, num_updates), queues=queues, store=store,
-                stop=stop, caught=caught, run=run, start_update=start_update, num_updates=num_updates, batch=batch,
-                start=time.perf_counter())
+        f"learner devices {[d.id for d in layout.learner_devices]} x {jax.process_count()} host(s)")
     try:
-        state, row = learn(args, loop, state)
+        state, row = learn(args, shared, state)
     except Stopped:  # an actor thread failed: its traceback, then exit status 1
-        exit_now(1, run, "".join(errors).rstrip())
+        exit_now(1, run, "".join(shared.errors).rstrip())
     finally:
-        stop.set()  # the actor threads end
+        shared.stop.set()  # the actor threads end
     for t in threads:
         t.join(timeout=10)
-    safe_point(caught, num_updates, run, partial(checkpoint, args, loop, state, num_updates), due=True)
+    checkpoint(args, shared, state, num_updates, last=True)
     row["checksum"] = checksum(state.params)
     say(f"checksum {row['checksum']}")
     return row
