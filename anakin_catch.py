@@ -1,7 +1,6 @@
 """Anakin on Catch: the Podracer paper's own example (Hessel et al. 2021, section 3).
 
-Catch is in JAX, so acting and learning are one XLA program: `lane_loss`, the paper colab's agent on one
-env lane, is `vmap`ped over a device's lanes, `fori_loop`ed over updates, `shard_map`ped over devices.
+Catch is in JAX, so acting and learning are one XLA program:
 
     host (Python)          one call = `--log-every` updates, no return to Python between them
     -------------          ---------------------------------------------------------------------
@@ -59,26 +58,26 @@ from tensorboardX.summary import scalar
 
 @dataclasses.dataclass
 class Args:
-    env_id: str = "Catch"  # the only environment in this file
+    env_id: str = "Catch"  # the only one here
     seed: int = 1  # seeds parameters, envs and exploration
-    total_timesteps: int = 16_000_000  # env steps of all envs of all hosts
+    total_timesteps: int = 16_000_000  # env steps, all hosts together
     learning_rate: float = 1e-4  # Adam step size
-    num_envs_per_device: int = 128  # env lanes on each device
-    num_devices: int | None = None  # devices used on each host (None: all)
-    num_steps: int = 16  # rollout length of an update
+    num_envs_per_device: int = 128  # env lanes per device
+    num_devices: int | None = None  # devices per host (None: all)
+    num_steps: int = 16  # rollout length
     gamma: float = 1.0  # discount
-    q_lambda: float = 0.99  # lambda of the Q(lambda) returns
+    q_lambda: float = 0.99  # lambda of the returns
     epsilon: float = 0.01  # probability of a random action (the colab's: 0)
     log_every: int = 10  # updates per compiled call and log line
-    checkpoint_every: int = 100  # updates between checkpoints, at a log line (and one at the end)
-    # Read by the plumbing appendix only: the run folder, resuming, a multi-host start.
-    exp_name: str = Path(__file__).stem  # experiment name, part of the run folder's name
+    checkpoint_every: int = 100  # updates between checkpoints (also one at the end)
+    # Read by the plumbing only:
+    exp_name: str = Path(__file__).stem  # part of the run folder's name
     run_dir: str = "runs"  # parent folder of run folders
     resume: str | None = None  # checkpoint.npz to continue from, up to --total-timesteps
-    distributed: bool = False  # call jax.distributed.initialize() for a multi-host run
+    distributed: bool = False  # call jax.distributed.initialize() (multi-host)
     coordinator_address: str | None = None  # host:port of process 0 (JAX finds it on SLURM, Cloud TPU, Kubernetes)
     num_processes: int | None = None  # number of processes (multi-host)
-    process_id: int | None = None  # index of this process (multi-host)
+    process_id: int | None = None  # this process's index (multi-host)
     peer_timeout: int = 300  # seconds to wait for all processes to join
 
 
@@ -99,13 +98,13 @@ def reset(key):
 
 
 def observe(state):
-    """[ROWS, COLS] float32: 1 at the ball and the paddle."""
+    """1 at the ball and the paddle."""
     board = jnp.zeros((ROWS, COLS), jnp.float32).at[state.ball_y, state.ball_x].set(1.0)
     return board.at[ROWS - 1, state.paddle_x].set(1.0)
 
 
 def step(state, action, key):
-    """Move the paddle, drop the ball; on the bottom row score +-1 and reset."""
+    """On the bottom row: reward +-1, then reset."""
     paddle_x = jnp.clip(state.paddle_x + action - 1, 0, COLS - 1)
     ball_y = state.ball_y + 1
     done = ball_y == ROWS - 1
@@ -115,7 +114,7 @@ def step(state, action, key):
     return state, reward, done
 
 
-# ---- The network: the colab's, one hidden layer of 256 -------------------------------------
+# ---- The network: the colab's MLP ---------------------------------------------------------
 
 def linear(key, n_in, n_out):
     """Haiku's `hk.Linear` init: normal truncated at 2 std, std 1/sqrt(n_in)."""
@@ -138,7 +137,7 @@ def apply(params, obs):
 # ---- The loss: Q(lambda), bootstrapping with max_a Q ---------------------------------------
 
 def lambda_returns(rewards, discounts, next_values, lam):
-    """G_t = r_t + d_t ((1 - lam) v_t+1 + lam G_t+1), G_T = v_T; [T] each, d_t 0 at an episode end."""
+    """G_t = r_t + d_t ((1 - lam) v_t+1 + lam G_t+1), G_T = v_T; [T] each."""
     def backward(g_next, x):
         r, d, v = x
         g = r + d * ((1 - lam) * v + lam * g_next)
@@ -149,8 +148,8 @@ def lambda_returns(rewards, discounts, next_values, lam):
 
 
 def q_lambda_loss(q, q_last, actions, rewards, dones, gamma, lam):
-    """Mean squared error of Q(s_t, a_t) against Q(lambda) returns; q: [T, A], q_last: [A], the rest [T].
-    At an episode end the zero discount masks the next row of `q`, the reset state's."""
+    """q: [T, A], q_last: [A], the rest [T]. At an episode end the zero discount masks the next row of
+    `q`, the reset state's."""
     next_values = jnp.max(jnp.concatenate([q[1:], q_last[None]]), axis=-1)
     targets = lambda_returns(rewards, gamma * (1.0 - dones), next_values, lam)
     q_taken = jnp.take_along_axis(q, actions[:, None], axis=-1)[:, 0]
@@ -159,7 +158,7 @@ def q_lambda_loss(q, q_last, actions, rewards, dones, gamma, lam):
 
 # ---- Acting and learning on one device ----------------------------------------------------
 
-class Lane(NamedTuple):  # carried from update to update
+class Lane(NamedTuple):
     env: Catch
     key: jax.Array  # its own: results do not depend on the device layout
     ep_return: jax.Array  # of the episode in progress
@@ -171,7 +170,7 @@ class Trajectory(NamedTuple):  # one lane's rollout, [T]
     action: jax.Array
     reward: jax.Array
     done: jax.Array  # the episode ended here
-    ended_return: jax.Array  # of the episode that ended here, else 0
+    ended_return: jax.Array  # if done, else 0
     ended_length: jax.Array
 
 
@@ -181,10 +180,10 @@ class TrainState(NamedTuple):
     lanes: Lane  # [envs, ...] split across devices
 
 
-class Stats(NamedTuple):  # sums over all lanes of all devices and over a call's updates
+class Stats(NamedTuple):  # sums over all lanes and a call's updates
     td_loss: jax.Array  # of each lane's mean
     q_values: jax.Array
-    return_sum: jax.Array  # of the episodes ended
+    return_sum: jax.Array
     length_sum: jax.Array
     episodes: jax.Array
 
@@ -203,7 +202,7 @@ def init_state(key, args, num_envs):
 
 
 def rollout(params, lane, args):
-    """Act epsilon-greedily for `num_steps`; also Q at the last state."""
+    """Also returns Q at the last state."""
     def act_and_step(lane, _):
         key, k_explore, k_random, k_reset = jax.random.split(lane.key, 4)
         q = apply(params, observe(lane.env))
@@ -230,9 +229,8 @@ def lane_loss(params, lane, args):
 
 
 def update(state, args):
-    """One update on one device: its lanes' rollouts, then gradients averaged everywhere. The paper vmaps
-    the whole update over lanes and pmeans their gradients; as every lane holds the same params, that is the
-    gradient of the lanes' mean loss, taken once here without a copy of params and Adam state per lane."""
+    """One update on one device. The paper vmaps the whole update over lanes; with params shared, the
+    lanes' mean loss has the same gradient, without per-lane params and Adam state."""
     def device_loss(params):
         losses, aux = jax.vmap(lane_loss, (None, 0, None))(params, state.lanes, args)
         return losses.mean(), aux
@@ -246,7 +244,7 @@ def update(state, args):
 
 
 def metrics_row(stats, lane_updates, args, sps):
-    """Means from Stats summed over `lane_updates`: a call's updates x all lanes."""
+    """Means of Stats summed over `lane_updates` (updates x lanes)."""
     stats = jax.tree.map(float, stats)
     row = {"charts/SPS": sps, "charts/learning_rate": args.learning_rate,
            "losses/td_loss": stats.td_loss / lane_updates, "losses/q_values": stats.q_values / lane_updates}
@@ -256,13 +254,13 @@ def metrics_row(stats, lane_updates, args, sps):
     return row
 
 
-# ---- The device mapping: a loop of updates, shard_map over devices -------------------------
+# ---- The device mapping: shard_map over devices -------------------------------------------
 
 STATE_SPECS = TrainState(params=P(), opt_state=P(), lanes=P("devices"))  # params replicated, lanes split
 
 
 def make_train(args, mesh):
-    """`n` updates on every device in one call; `n` is traced: a shorter last call compiles nothing."""
+    """`n` updates; `n` is traced: a shorter last call compiles nothing."""
     def train(state, n):
         def one_update(_, carry):
             state, total = carry
@@ -272,7 +270,7 @@ def make_train(args, mesh):
         zeros = Stats(**{name: jnp.float32(0) for name in Stats._fields})
         return jax.lax.fori_loop(0, n, one_update, (state, zeros))
 
-    # check_vma=False: `update` pmeans the gradients of the replicated params; the check would sum them first
+    # check_vma=False: `update` pmeans the replicated params' gradients; the check would sum them first
     sharded = jax.shard_map(train, mesh=mesh, in_specs=(STATE_SPECS, P()), out_specs=(STATE_SPECS, P()),
                             check_vma=False)
     return jax.jit(sharded, donate_argnums=0)
@@ -295,7 +293,7 @@ def pick_devices(args):
 
 
 def initial_state(args, mesh, batch):
-    """What makes the TrainState (fresh or --resume's), its shapes, the updates done."""
+    """The TrainState's maker (fresh or --resume's), its shapes, the updates done."""
     if args.total_timesteps < batch:
         fail(f"--total-timesteps {args.total_timesteps:,} is less than one update: {batch:,} steps "
              f"(--num-steps {args.num_steps} x {args.num_envs_per_device} envs x {mesh.size} devices)")
@@ -309,7 +307,7 @@ def initial_state(args, mesh, batch):
 
 
 def compile_train(args, mesh, shapes, run):
-    """Compiled ahead: SPS never counts compiling, and what cannot fit is refused (its run folder removed)."""
+    """Compiled ahead: SPS excludes compiling, and what cannot fit is refused."""
     tic = time.time()
     train = make_train(args, mesh).lower(shapes, np.int32(args.log_every)).compile()
     say(f"compiled in {time.time() - tic:.1f}s")
@@ -325,7 +323,7 @@ def checkpoint(args, run, state, updates_done, batch):
     save(run, {"state": host, "update": np.int64(updates_done), "global_step": np.int64(updates_done * batch)}, args)
 
 
-# ---- The run: the flags checked, then the updates -----------------------------------------
+# ---- The run ------------------------------------------------------------------------------
 
 def check_args(args):
     if args.env_id != "Catch":  # the common flag: it names the run folder

@@ -1,7 +1,6 @@
 """PPO in the Anakin architecture (Hessel et al. 2021, section 3) on environments written in JAX.
 
-The envs live in this file, so rollouts and PPO's epochs (Schulman et al. 2017) are one XLA program.
-Its minimal unit, `update`, is one agent on one device, looped, `vmap`ped over seeds and `shard_map`ped:
+The envs are in JAX, so rollouts and PPO's epochs (Schulman et al. 2017) are one XLA program:
 
     host (Python)      one call = `--log-every` updates of every seed, no return to Python between
     -------------      -----------------------------------------------------------------------------
@@ -18,7 +17,6 @@ Its minimal unit, `update`, is one agent on one device, looped, `vmap`ped over s
                            Adam step (identical everywhere)    Adam step
     log, checkpoint <- episode returns (psum), losses (pmean), per seed
 
-Examples:
     python anakin_ppo.py
     python anakin_ppo.py --env-id Pendulum-v1 --num-seeds 8
     python anakin_ppo.py --num-envs-per-device 2048 --total-timesteps 50_000_000
@@ -65,34 +63,34 @@ from tensorboardX.summary import scalar
 
 @dataclass
 class Args:
-    env_id: str = "CartPole-v1"  # CartPole-v1 (discrete actions) or Pendulum-v1 (continuous)
-    seed: int = 1  # seeds everything; agent i of --num-seeds draws from (seed, i)
-    num_seeds: int = 1  # independent agents trained side by side (vmap)
+    env_id: str = "CartPole-v1"  # CartPole-v1 (discrete) or Pendulum-v1 (continuous)
+    seed: int = 1  # agent i of --num-seeds draws from (seed, i)
+    num_seeds: int = 1  # independent agents, side by side (vmap)
     total_timesteps: int | None = None  # env steps of one agent (None: CartPole-v1 500_000, Pendulum-v1 1_000_000)
     learning_rate: float | None = None  # Adam step size (None: CartPole-v1 2.5e-4, Pendulum-v1 1e-3)
     anneal_lr: bool = True  # decay the step size linearly to zero
-    num_envs_per_device: int | None = None  # envs of each agent on each device (None: CartPole-v1 4, Pendulum-v1 32)
-    num_devices: int | None = None  # devices used on each host (None: all)
-    num_steps: int | None = None  # rollout length per env (None: CartPole-v1 128, Pendulum-v1 128)
+    num_envs_per_device: int | None = None  # envs per agent and device (None: CartPole-v1 4, Pendulum-v1 32)
+    num_devices: int | None = None  # devices per host (None: all)
+    num_steps: int | None = None  # rollout length (None: CartPole-v1 128, Pendulum-v1 128)
     update_epochs: int | None = None  # passes over each rollout (None: CartPole-v1 4, Pendulum-v1 10)
     num_minibatches: int | None = None  # minibatches per epoch on each device (None: CartPole-v1 4, Pendulum-v1 32)
-    gamma: float | None = None  # discount factor (None: CartPole-v1 0.99, Pendulum-v1 0.95)
+    gamma: float | None = None  # discount (None: CartPole-v1 0.99, Pendulum-v1 0.95)
     gae_lambda: float = 0.95  # GAE's lambda
     clip_coef: float = 0.2  # PPO's ratio (and value) clip range
-    clip_vloss: bool | None = None  # clip the value loss around old values (None: CartPole-v1 True, Pendulum-v1 False)
-    ent_coef: float | None = None  # entropy bonus coefficient (None: CartPole-v1 0.01, Pendulum-v1 0.0)
+    clip_vloss: bool | None = None  # clip around old values (None: CartPole-v1 True, Pendulum-v1 False)
+    ent_coef: float | None = None  # entropy bonus (None: CartPole-v1 0.01, Pendulum-v1 0.0)
     vf_coef: float = 0.5  # value loss coefficient
     max_grad_norm: float = 0.5  # global-norm gradient clip
-    log_every: int = 50  # updates per compiled call, with one log line each
-    checkpoint_every: int = 500  # updates between checkpoints, at the next log line (and one at the end)
-    # Read by the plumbing appendix only.
-    exp_name: str = Path(__file__).stem  # experiment name, part of the run folder's name
+    log_every: int = 50  # updates per compiled call and log line
+    checkpoint_every: int = 500  # updates between checkpoints (also one at the end)
+    # Read by the plumbing only:
+    exp_name: str = Path(__file__).stem  # part of the run folder's name
     run_dir: str = "runs"  # parent folder of run folders
     resume: str | None = None  # checkpoint.npz to continue from, with the same flags, up to --total-timesteps
-    distributed: bool = False  # call jax.distributed.initialize() for a multi-host run
+    distributed: bool = False  # call jax.distributed.initialize() (multi-host)
     coordinator_address: str | None = None  # host:port of process 0 (JAX finds it on SLURM, Cloud TPU, Kubernetes)
     num_processes: int | None = None  # number of processes (multi-host)
-    process_id: int | None = None  # index of this process (multi-host)
+    process_id: int | None = None  # this process's index (multi-host)
     peer_timeout: int = 300  # seconds to wait for all processes to join
 
 
@@ -171,13 +169,13 @@ ENVS = {
 
 class EnvState(NamedTuple):
     inner: jax.Array  # the env's own state
-    t: jax.Array  # steps in this episode (int32)
+    t: jax.Array  # steps in this episode
     ep_return: jax.Array  # of the episode so far
 
 
 class Step(NamedTuple):
-    obs: jax.Array  # the next obs: a new episode's first if this one ended
-    final_obs: jax.Array  # the obs this action led to, before any reset: bootstrap from it
+    obs: jax.Array  # a new episode's first if this one ended
+    final_obs: jax.Array  # before any reset, to bootstrap from
     reward: jax.Array
     terminated: jax.Array  # a terminal state, of value zero
     truncated: jax.Array  # cut by the time limit
@@ -191,7 +189,7 @@ def env_reset(env, key):
 
 
 def env_step(env, env_state, action, fresh):
-    """Step one env; where an episode ends, go on from `fresh` = env_reset(env, key)."""
+    """Where an episode ends, go on from `fresh` = env_reset(env, key)."""
     inner, reward, terminated = env.step(env_state.inner, action)
     t, ep_return = env_state.t + 1, env_state.ep_return + reward
     truncated = t >= env.max_steps
@@ -271,8 +269,8 @@ def entropy(params, out):
 # ---- The loss: GAE (Schulman et al. 2016) and PPO's clipped objective (2017)
 
 def gae(rewards, values, next_values, terminated, done, gamma, lam):
-    """Advantages and value targets [T, B]. Only a termination zeroes the bootstrap `next_values` (V of the obs
-    an action led to), not a time-limit cut (as many JAX PPOs do); any end (`done`) stops the lambda-chain."""
+    """Advantages and value targets [T, B]. Only a termination zeroes the bootstrap `next_values`, not a
+    time-limit cut (as many JAX PPOs do); any end (`done`) stops the lambda-chain."""
     deltas = rewards + gamma * next_values * (1.0 - terminated) - values
 
     def backward(adv_next, x):
@@ -321,8 +319,8 @@ class Losses(NamedTuple):
 
 
 def normalize(advantages):
-    """Zero mean, unit std over the minibatch's rows on all devices (per device, N devices would run another
-    algorithm than one). Under `vmap`, a psum sums each seed's own."""
+    """Over the minibatch's rows on all devices: per device, N devices would run another algorithm than
+    one. Under `vmap`, a psum sums each seed's own."""
     n = jax.lax.psum(jnp.float32(advantages.size), "devices")
     mean = jax.lax.psum(advantages.sum(), "devices") / n
     var = jax.lax.psum(((advantages - mean) ** 2).sum(), "devices") / n
@@ -359,9 +357,9 @@ class TrainState(NamedTuple):
 
 
 class Stats(NamedTuple):
-    """One update's figures, summed over a call's updates."""
+    """Summed over a call's updates."""
     losses: Losses  # means over minibatches and devices
-    return_sum: jax.Array  # over the episodes that ended, on all devices
+    return_sum: jax.Array  # on all devices
     length_sum: jax.Array
     episodes: jax.Array
 
@@ -383,7 +381,6 @@ def init_state(key, params, args, env, num_envs):
 
 
 def rollout(params, env_state, obs, k_act, k_reset, args, env):
-    """Act for `num_steps` in every env of this device."""
     num_envs = obs.shape[0]
     # All randomness in two draws: action noise, and a new episode for each env and step.
     noise = draw_noise(k_act, params, (args.num_steps, num_envs, env.action_size))
@@ -404,7 +401,7 @@ def rollout(params, env_state, obs, k_act, k_reset, args, env):
 
 
 def permutations(key, num, n):
-    """`num` random permutations of range(n), [num, n]: sorts by keys of `words` uint32s, the row index in the
+    """`num` permutations of range(n), [num, n]: a sort by `words` random uint32 keys, the row index in the
     last one's low bits. Ties would keep time order: 2 log2(n) + 32 random bits make them rarer than 2^-33."""
     bits = max(1, (n - 1).bit_length())
     words = 1 + -(-3 * bits // 32)  # ceil: 32 * words - bits >= 2 * bits + 32
@@ -414,7 +411,7 @@ def permutations(key, num, n):
 
 
 def gradient_steps(params, opt_state, batch, key, lr, args):
-    """Epochs over the rows of `batch`, shuffled: a step a minibatch, with the mean gradient of all devices."""
+    """Epochs of shuffled minibatches of `batch`, a step each, with all devices' mean gradient."""
     def sgd_step(carry, minibatch):
         params, opt_state = carry
         grads, losses = jax.grad(ppo_loss, has_aux=True)(params, minibatch, args)
@@ -470,8 +467,7 @@ def make_train(args, env, mesh, num_updates):
         zeros = Stats(losses=losses, return_sum=zero, length_sum=jnp.int32(0), episodes=zero)
         return jax.lax.fori_loop(first, first + n, one_update, (state, zeros))
 
-    # check_vma=False: the body pmeans the replicated (P()) parameters' gradients itself; with the check on,
-    # JAX would already have summed them across devices.
+    # check_vma=False: the body pmeans the replicated params' gradients; the check would sum them first
     sharded = jax.shard_map(jax.vmap(train, in_axes=(0, None, None)), mesh=mesh, in_specs=(STATE_SPECS, P(), P()),
                             out_specs=(STATE_SPECS, P()), check_vma=False)
     # LLVM -O1 on CPU: it compiles faster, runs as fast.
@@ -507,7 +503,7 @@ def pick_devices(args):
     return Mesh(np.array(hosts).reshape(-1), ("devices",))
 
 
-# ---- The run: flags, state, the compiled call, metrics
+# ---- The run
 
 def check_args(args):
     """Every flag, before anything is compiled; None takes the env's DEFAULTS."""
@@ -526,7 +522,7 @@ def check_args(args):
 
 
 def initial_state(args, env, mesh, steps_per_update):
-    """What makes the state (fresh or --resume's), its shapes, the updates done."""
+    """The TrainState's maker (fresh or --resume's), its shapes, the updates done."""
     if args.total_timesteps < steps_per_update:
         fail(f"--total-timesteps {args.total_timesteps:,} is less than one update: {steps_per_update:,} steps "
              f"(--num-steps {args.num_steps} x {args.num_envs_per_device} envs x {mesh.size} devices)")
@@ -540,7 +536,7 @@ def initial_state(args, env, mesh, steps_per_update):
 
 
 def compile_train(args, env, mesh, shapes, first, num_updates, run):
-    """make_train compiled ahead, out of SPS; refused if it cannot fit."""
+    """Compiled ahead, out of SPS; refused if it cannot fit."""
     tic = time.time()
     train = make_train(args, env, mesh, num_updates).lower(shapes, np.int32(first), np.int32(args.log_every)).compile()
     say(f"compiled in {time.time() - tic:.1f}s")
@@ -559,7 +555,7 @@ def checkpoint(args, run, state, updates_done, steps_per_update):
 
 
 def metrics_row(stats, n, lr, sps):
-    """One call's metrics (CleanRL's names), from Stats summed over its `n` updates, leaves [seeds]."""
+    """CleanRL's names; `stats` are sums over `n` updates, leaves [seeds]."""
     stats = jax.tree.map(np.asarray, stats)
     row = {"charts/SPS": sps, "charts/learning_rate": lr,
            **{f"losses/{name}": float(np.mean(value) / n) for name, value in stats.losses._asdict().items()}}
