@@ -604,17 +604,15 @@ def main(args: Args) -> dict:
     return row
 
 
-# ---- Plumbing: the same text in all four scripts (tests/test_plumbing.py keeps it so) ----
-# Not the algorithm: flag checks, multi-host start, run folder, signals, checkpoints, logs. Skip it.
+# ---- Plumbing: not the algorithm; the same text in all four scripts (tests/test_plumbing.py) ----
 
 def fail(message):
-    """Bad input: one line on stderr and exit status 2, before anything is compiled."""
     print(f"error: {message}", file=sys.stderr, flush=True)
     sys.exit(2)
 
 
 def check_flags(args, unit=(), positive=()):
-    """Counts in 1..2**31 - 1 (steps: 2**62 - 1), floats finite and >= 0 (`positive` > 0, `unit` <= 1), --resume."""
+    """Counts fit the compiled programs' int32 (the step budget: int64)."""
     for name, value in dataclasses.asdict(args).items():
         top = 2**62 if name == "total_timesteps" else 2**31
         if type(value) is int and name not in ("seed", "num_processes", "process_id") and not 1 <= value < top:
@@ -624,14 +622,13 @@ def check_flags(args, unit=(), positive=()):
             if not (math.isfinite(value) and value >= 0 and ok):
                 valid = "in [0, 1]" if name in unit else "above 0" if name in positive else "at least 0"
                 fail(f"--{name.replace('_', '-')} {value} must be a finite number {valid}")
-    resume = Path(args.resume or "")
-    if args.resume is not None and not resume.is_file():
+    if args.resume is not None and not (resume := Path(args.resume)).is_file():
         what = "a folder" if resume.is_dir() else "not a file" if resume.exists() else "no such file"
         fail(f"--resume {args.resume!r}: {what}; it takes a run's checkpoint.npz")
 
 
 def check_fits(num_bytes, what, devices=(), run=None):
-    """Refuse `num_bytes` on each of `devices` (CPU ones share the host's memory), and the `run` folder just made."""
+    """Refuse `num_bytes` per device (CPU devices share the host's memory), removing the `run` folder just made."""
     memory = (devices[0].memory_stats() or {}).get("bytes_limit") if devices else None
     if memory is None:
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -644,14 +641,12 @@ def check_fits(num_bytes, what, devices=(), run=None):
 
 
 def check_seed(seed, limit):
-    """Seeds with random numbers of their own: JAX keeps 32 bits, envpool int32 seeds (seed + env index)."""
-    if not 0 <= seed < limit:
-        fail(f"--seed {seed} must be in 0..{limit - 1:,}: other seeds repeat these seeds' random numbers "
-             "or are refused by the environments")
+    if not 0 <= seed < limit:  # JAX keys keep 32 bits; envpool seeds are int32
+        fail(f"--seed {seed} must be in 0..{limit - 1:,}: others repeat these seeds' random numbers or are refused")
 
 
 def start_distributed(args, caught):
-    """With --distributed, join the others in a thread (JAX's join blocks) for --peer-timeout or until a stop signal."""
+    """With --distributed, join in a thread: JAX's join blocks, deaf to --peer-timeout and stop signals."""
     given = [n for n in ("coordinator_address", "num_processes", "process_id") if getattr(args, n) is not None]
     if given and not args.distributed:
         fail(f"{', '.join('--' + n.replace('_', '-') for n in given)} only apply to multi-host runs: add --distributed")
@@ -663,8 +658,7 @@ def start_distributed(args, caught):
         try:
             socket.create_server(("", int(address.rpartition(":")[2]))).close()
         except (OSError, ValueError, OverflowError) as e:
-            fail(f"--coordinator-address {address}: process 0 cannot listen there ({getattr(e, 'strerror', e)}:"
-                 " another process 0 or another program holds the port?)")
+            fail(f"--coordinator-address {address}: process 0 cannot listen there ({getattr(e, 'strerror', e)})")
     joining = ThreadPoolExecutor(1).submit(jax.distributed.initialize, address, args.num_processes, args.process_id,
                                            initialization_timeout=args.peer_timeout + 60)  # JAX's aborts: ours first
     say(f"waiting for {args.num_processes or 'all'} processes at {address or 'the address JAX detects'} (at most "
@@ -678,23 +672,21 @@ def start_distributed(args, caught):
     error = joining.exception() if joining.done() else f"not all joined in --peer-timeout {args.peer_timeout} s"
     if error:
         exit_now(2, None, f"error: --distributed: {str(error).splitlines()[0]} (start every process with the same "
-                          "--coordinator-address and --num-processes and its own --process-id, or all in a cluster "
-                          "JAX detects: SLURM, Cloud TPU, Kubernetes)")
+                          "--coordinator-address, --num-processes and its own --process-id, or all in a cluster)")
     sys.excepthook = lost_peer
     agree(args)
 
 
 def lost_peer(kind, error, trace):
-    """A collective with a dead peer may raise: exit before JAX's heartbeat aborts the process from C++."""
+    """A collective with a dead peer may raise: exit before JAX's heartbeat aborts from C++."""
     if not issubclass(kind, jax.errors.JaxRuntimeError):
         return sys.__excepthook__(kind, error, trace)
     exit_now(1, RUN, f"error: a collective with the other processes failed (one died?): {str(error).splitlines()[0]}")
 
 
 def agree(args):
-    """All processes run the same script with the same flags (but the per-host ones), or all say so and exit 2."""
-    per_host = ("process_id", "coordinator_address", "run_dir", "exp_name", "peer_timeout")
-    mine = {n: v for n, v in dataclasses.asdict(args).items() if n not in per_host}
+    """Every process must run the same script and flags (but PER_HOST); all exit if not."""
+    mine = {n: v for n, v in dataclasses.asdict(args).items() if n not in PER_HOST}
     mine["script"] = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:12]
     text = np.frombuffer(json.dumps(mine).encode(), np.uint8)
     size = int(np.max(multihost_utils.process_allgather(np.int32(text.size))))
@@ -709,16 +701,17 @@ def agree(args):
 
 class Run(NamedTuple):
     folder: Path | None  # process 0 only: the other processes write nothing
-    events: EventsWriter | None  # TensorBoard's, written by this thread so that a failure is seen
+    events: EventsWriter | None  # written from this thread, so its failures are seen
     checkpoint: Path | None
 
 
 RUN = None  # this process's Run, for `lost_peer`
-SAVING = []  # the temporary file `save` is writing, if any: `exit_now` removes it
+SAVING = []  # what `save` is writing, for `exit_now` to remove
+PER_HOST = ("process_id", "coordinator_address", "run_dir", "exp_name", "peer_timeout")  # flags peers may differ in
 
 
 def open_run(args):
-    """A new folder {run-dir}/{env}__{exp-name}__{seed}__{unix time}[_1, _2, ...], its name made flat."""
+    """Process 0's new folder {run-dir}/{env}__{exp-name}__{seed}__{unix time}[_1, _2, ...]."""
     global RUN
     RUN = Run(None, None, None)
     if jax.process_index() != 0:
@@ -740,11 +733,10 @@ def open_run(args):
 
 
 def catch_stop_signals():
-    """SIGINT, SIGTERM, SIGHUP are noted for `safe_point` (raising inside JAX or envpool could hang or be lost), a
-    second one exits at once. A thread reads them from STOP_PIPE: Python runs handlers only between XLA calls."""
+    """A thread notes stop signals for `safe_point`: handlers wait for XLA calls, and raising in JAX may hang."""
     caught, stops = [], (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
     os.set_blocking(STOP_PIPE[1], False)
-    signal.set_wakeup_fd(STOP_PIPE[1])  # as the first lines do, for a script loaded as a module
+    signal.set_wakeup_fd(STOP_PIPE[1])  # also for a script loaded as a module
     for signum in stops:
         signal.signal(signum, lambda *_: None)
 
@@ -764,7 +756,7 @@ def catch_stop_signals():
 
 
 def safe_point(caught, update, run, checkpoint, due):
-    """Between updates: `checkpoint()` if `due`; on a stop signal caught by any process, all checkpoint and exit."""
+    """`checkpoint()` if `due`; if any process caught a stop signal, all checkpoint and exit."""
     if due:
         checkpoint()
     signum = caught[0] if caught else 0
@@ -777,13 +769,12 @@ def safe_point(caught, update, run, checkpoint, due):
 
 
 def flat(tree):
-    """The arrays of `tree` named by their key paths, as a checkpoint holds them."""
     return {jax.tree_util.keystr(path, simple=True, separator="/"): leaf
             for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
 def save(run, tree, args):
-    """Host arrays and the run's flags to a temporary file moved into place: never a torn checkpoint."""
+    """A temporary file moved into place: never a torn checkpoint."""
     if run.checkpoint is None:
         return
     tmp = run.checkpoint.with_name("checkpoint.tmp.npz")
@@ -797,7 +788,7 @@ def save(run, tree, args):
 
 
 def load(args, template, batch, hint):
-    """The --resume checkpoint's arrays, if its run had these flags, shapes (`hint`), steps per update and budget."""
+    """`template`'s arrays from --resume, if its run matches this one (`hint` says how) and has budget left."""
     resume, names = f"--resume {args.resume!r}", {*flat(template), "args"}
     try:
         with np.load(args.resume, allow_pickle=False) as f:
@@ -816,14 +807,12 @@ def load(args, template, batch, hint):
     if isinstance(hosts, int) and hosts != jax.process_count():  # shapes and steps count every host's envs
         hint = f"its run had {hosts} processes, this one {jax.process_count()}; {hint}"
     for name, like in flat(template).items():
-        got = arrays.get(name)
-        if got is None or got.shape != like.shape or got.dtype != like.dtype:
-            found = "missing" if got is None else f"{got.dtype}{list(got.shape)}"
-            fail(f"{resume} does not match this run: {name} is {found}, expected {like.dtype}{list(like.shape)} "
-                 f"({hint})")
+        want, got = f"{like.dtype}{list(like.shape)}", arrays.get(name)
+        found = "missing" if got is None else f"{got.dtype}{list(got.shape)}"
+        if found != want:
+            fail(f"{resume} does not match this run: {name} is {found}, expected {want} ({hint})")
     now = json.loads(json.dumps(dataclasses.asdict(args)))
-    free = ("total_timesteps", "log_every", "checkpoint_every", "run_dir", "exp_name", "resume", "distributed",
-            "coordinator_address", "num_processes", "process_id", "peer_timeout")
+    free = (*PER_HOST, "total_timesteps", "log_every", "checkpoint_every", "resume", "distributed", "num_processes")
     for name in [n for n in now if n not in free and saved.get(n) != now[n]]:
         fail(f"{resume} comes from a run with --{name.replace('_', '-')} {json.dumps(saved.get(name))}, not "
              f"{json.dumps(now[name])} (a resumed run may change only budget, logging, checkpoint and folder flags)")
@@ -838,7 +827,7 @@ def load(args, template, batch, hint):
 
 
 def exit_now(code, run, line):
-    """Say `line` and what is on disk, a half-written checkpoint removed; exit at once (a normal exit could hang)."""
+    """Exit at once (a normal exit could hang), saying which checkpoint is on disk."""
     for tmp in SAVING:
         with contextlib.suppress(OSError):
             tmp.unlink(missing_ok=True)
@@ -862,15 +851,14 @@ def check_finite(losses, update, run):
 
 
 def say(line):
-    """Print to stdout; once stdout is closed (`| head`), training goes on without it."""
     try:
         print(line, flush=True)
-    except OSError:
+    except OSError:  # stdout closed (`| head`): train on without it
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 def log(run, row, num_updates, total_steps, eta):
-    """A metrics row (CleanRL's names) to metrics.jsonl and TensorBoard, and the progress line (process 0)."""
+    """`row` (CleanRL's names) to metrics.jsonl and TensorBoard, and the progress line (process 0)."""
     if run.folder is None:
         return
     step, ret = row["global_step"], row.get("charts/episodic_return")
@@ -889,7 +877,7 @@ def log(run, row, num_updates, total_steps, eta):
 
 
 def checksum(params):
-    """sha256 of this host's copy of the parameters in key-path order: equal runs, equal hosts, equal sums."""
+    """sha256 of this host's parameters: equal runs and hosts print equal sums."""
     leaves = [x.addressable_data(0) if isinstance(x, jax.Array) else x for x in jax.tree.leaves(params)]
     return hashlib.sha256(b"".join(np.asarray(x).tobytes() for x in leaves)).hexdigest()
 
