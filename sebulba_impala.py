@@ -1,6 +1,5 @@
-"""Sebulba IMPALA: the Podracer paper's actor/learner split (Hessel et al. 2021, section 4) running IMPALA
-with V-trace (Espeholt et al. 2018, arXiv 1802.01561) on an envpool id (Atari `*-v5` with the IMPALA
-paper's protocol) or a gymnasium id, stepped on the host CPU.
+"""Sebulba IMPALA: the Podracer paper's actor/learner split (Hessel et al. 2021) running IMPALA with V-trace
+(Espeholt et al. 2018) on envpool or gymnasium envs stepped on the host CPU.
 
     host CPU (per host)                 actor device(s)              learner devices (all hosts)
     -------------------                 ---------------              ---------------------------
@@ -43,7 +42,7 @@ from functools import cache, partial
 from pathlib import Path
 from typing import Literal, NamedTuple
 
-STOP_PIPE = os.pipe()  # from now on a stop signal only writes its number here (catch_stop_signals reads it)
+STOP_PIPE = os.pipe()  # a stop signal only writes its number here; catch_stop_signals reads it
 if __name__ == "__main__":
     os.set_blocking(STOP_PIPE[1], False)
     signal.set_wakeup_fd(STOP_PIPE[1])
@@ -70,19 +69,19 @@ warnings.filterwarnings("ignore", message=".*precision lowered.*")
 
 @dataclasses.dataclass
 class Args:
-    """The defaults act and learn on one GPU. More envs per policy call fill it (a larger batch learns differently):
-    try 2-4 actor threads x 32-64 envs with --async-envs; `python tests/benchmark.py --gpu-check` measures them."""
+    """The defaults use one GPU; to fill it, try 2-4 actor threads x 32-64 envs with --async-envs (a larger batch
+    learns differently)."""
 
     env_id: str = "Breakout-v5"  # an envpool id (Atari `*-v5`, `CartPole-v1`) or a gymnasium id (`module:Name-v0`)
     seed: int = 1  # seeds parameters, envs and sampling
-    total_timesteps: int | None = None  # agent steps of all envs of all hosts (default: 10M images, 300k vectors)
+    total_timesteps: int | None = None  # agent steps, all hosts (default: 10M images, 300k vectors)
     learning_rate: float | None = None  # RMSProp step size (default: 6e-4 images, 5e-3 vectors)
-    anneal_lr: bool = True  # anneal the learning rate linearly to 0
+    anneal_lr: bool = True  # linearly to 0
     actor_device_ids: list[int] | None = None  # local device indices that act (default: 0)
     learner_device_ids: list[int] | None = None  # local device indices that learn (default: the others, else 0)
     num_actor_threads: int = 2  # per actor device: one steps its envs while another acts
     local_num_envs: int = 16  # envs per actor thread (one policy call per step)
-    async_envs: bool = False  # a thread's envs in two halves: one steps while the policy acts for the other
+    async_envs: bool = False  # step half the envs while acting for the other half
     num_steps: int | None = None  # rollout length per env per update (default: 20 images, 16 vectors)
     gamma: float = 0.99  # discount
     vtrace_lambda: float = 1.0  # V-trace's lambda: c_t = lambda * min(1, pi/mu)
@@ -105,19 +104,19 @@ class Args:
     peer_timeout: int = 300  # seconds to wait for all processes to join
 
 
-# check_args fills the flags left at None from here. Images: the IMPALA paper's (appendix G: 32 envs, unroll 20).
-# Vectors: CartPole's values reach ~100, RMSProp moves a weight about one step size per update: large steps, many.
+# For flags left at None. Images: the IMPALA paper's (appendix G). Vectors: RMSProp moves a weight about one step
+# size an update and CartPole's values reach ~100: large steps, many.
 DEFAULTS = {"image": dict(total_timesteps=10_000_000, learning_rate=6e-4, num_steps=20, rmsprop_eps=0.01,
                           network="deep", log_every=10),
             "vector": dict(total_timesteps=300_000, learning_rate=5e-3, num_steps=16, rmsprop_eps=1e-5,
                            network="mlp", log_every=40)}
 
 
-# ---- The environment: stepped on the host by the actor threads (envpool or gymnasium) ------
+# ---- The environment: envpool or gymnasium, stepped on the host
 
 def atari_kwargs(machado):
-    """The IMPALA and PPO papers' protocol: a lost life ends a training episode, rewards clipped, 30 no-op starts."""
-    if machado:  # Machado et al. 2018; noop_max=1: no no-op starts (0 would crash envpool 1.2.5)
+    """The IMPALA and PPO papers' Atari protocol, or with `machado` Machado et al.'s (2018)."""
+    if machado:  # noop_max=1: no no-op starts (0 would crash envpool 1.2.5)
         return dict(episodic_life=False, reward_clip=True, noop_max=1,
                     repeat_action_probability=0.25, full_action_space=True)
     return dict(episodic_life=True, reward_clip=True, noop_max=30)
@@ -131,7 +130,7 @@ class EnvInfo(NamedTuple):
 
 
 def env_spaces(env_id, machado):
-    """(observation space, action space, source, atari) of an envpool id, else a gymnasium one (`module:Name-v0`)."""
+    """An envpool id's spaces, else a gymnasium id's (`module:Name-v0`)."""
     if env_id in envpool.list_all_envs():
         atari = hasattr(envpool.make_spec(env_id).config, "episodic_life")
         spec = envpool.make_spec(env_id, **(atari_kwargs(machado) if atari else {}))
@@ -166,8 +165,8 @@ def describe_env(env_id, machado):
 
 
 class Step(NamedTuple):
-    obs: np.ndarray  # [E, *obs_shape] the next observation
-    reward: np.ndarray  # [E] the training reward (Atari: clipped to [-1, 1])
+    obs: np.ndarray  # [E, *obs_shape]
+    reward: np.ndarray  # [E] (Atari: clipped to [-1, 1])
     terminated: np.ndarray  # [E] no bootstrap (Atari: a life lost too)
     ended: np.ndarray  # [E] terminated or truncated: the next step resets
     score: np.ndarray  # [E] the game's own reward (Atari: unclipped)
@@ -185,7 +184,7 @@ def make_envs(args, num_envs, seed):
     if env_info.source == "gymnasium":  # autoresets on the next step, like envpool
         pool = gym.make_vec(args.env_id.rpartition(":")[2], num_envs=num_envs, vectorization_mode="sync")
         return Envs(pool=pool, env_info=env_info, seed=seed)
-    # envpool's threads: the host's cores shared out among all env batches, not one per core each
+    # the host's cores shared among all env batches
     batches = len(args.actor_device_ids or [0]) * args.num_actor_threads * (2 if args.async_envs else 1)
     threads = min(num_envs, max(1, len(os.sched_getaffinity(0)) // batches))
     pool = envpool.make(args.env_id, env_type="gymnasium", num_envs=num_envs, seed=seed, num_threads=threads,
@@ -194,7 +193,7 @@ def make_envs(args, num_envs, seed):
 
 
 def host_obs(obs, env_info):
-    """envpool's layout and no float64: gymnasium images [E, H, W, C] -> [E, C, H, W]."""
+    """gymnasium's images [E, H, W, C] -> envpool's [E, C, H, W]; float64 -> float32."""
     if env_info.source == "gymnasium" and obs.ndim == 4:
         obs = np.moveaxis(obs, -1, 1)
     return obs.astype(np.float32) if obs.dtype == np.float64 else obs
@@ -225,7 +224,7 @@ def env_step(envs, actions, sent=False):
                 ended=terminated | truncated, score=score, game_over=game_over)
 
 
-# ---- The network: IMPALA paper figure 3 (without the LSTM) for images, an MLP for vectors -
+# ---- The network: IMPALA's figure 3 CNNs without the LSTM, or an MLP
 
 IMPALA_CHANNELS = (16, 32, 32)  # deep: three stacks of a conv, a max-pool and two residual blocks
 SHALLOW_CONVS = ((16, 8, 4), (32, 4, 2))  # shallow: (channels, kernel, stride), "VALID" padding
@@ -272,7 +271,7 @@ def conv(p, x, stride=1, padding="SAME"):  # x [N, H, W, C]
                                         dimension_numbers=("NHWC", "HWIO", "NHWC")) + p["b"]
 
 
-def image_input(obs):  # [N, C, H, W] -> [N, H, W, C] float: uint8 frames scaled to [0, 1], others as they are
+def image_input(obs):  # [N, C, H, W] -> [N, H, W, C] float; uint8 frames to [0, 1]
     x = jnp.transpose(obs, (0, 2, 3, 1)).astype(jnp.float32)
     return x / 255.0 if obs.dtype == jnp.uint8 else x
 
@@ -284,9 +283,9 @@ def features(p, obs, network):  # obs [N, *obs_shape] -> policy and value featur
     if network == "deep":
         for i in range(len(IMPALA_CHANNELS)):
             stack = p[f"stack{i}"]
-            x = conv(stack["conv"], x)  # then a 3x3 max-pool with stride 2:
+            x = conv(stack["conv"], x)
             x = jax.lax.reduce_window(x, -jnp.inf, jax.lax.max, (1, 3, 3, 1), (1, 2, 2, 1), "SAME")
-            for block in (stack["block0"], stack["block1"]):  # residual: x + conv(relu(conv(relu(x))))
+            for block in (stack["block0"], stack["block1"]):
                 x = x + conv(block["conv1"], jax.nn.relu(conv(block["conv0"], jax.nn.relu(x))))
         x = jax.nn.relu(x)
     else:
@@ -313,7 +312,7 @@ def entropy(logits):
     return -(jnp.exp(logp) * logp).sum(-1)
 
 
-# ---- The loss: V-trace (IMPALA paper, section 4.1, rho-bar = c-bar = 1) and its policy gradient
+# ---- The loss: V-trace (IMPALA paper 4.1, rho-bar = c-bar = 1) and its policy gradient
 
 class VTrace(NamedTuple):
     vs: jax.Array  # [T, E] value targets v_s
@@ -323,10 +322,9 @@ class VTrace(NamedTuple):
 def vtrace(values, rewards, discounts, rhos, valid, lambda_):
     """V-trace targets by the paper's recursion v_s - V(x_s) = delta_s + gamma_s c_s (v_{s+1} - V(x_{s+1})).
 
-    values [T+1, E] are V(x_0..x_T), the rest [T, E]. discounts are gamma, or 0 where the episode terminated
-    (a truncation keeps gamma: x_{t+1} is then the final observation, so it bootstraps from its value). A reset
-    step (valid 0) contributes nothing and cuts the trace: no target reaches across an episode boundary."""
-    clipped_rhos = jnp.minimum(1.0, rhos)  # rho-bar = c-bar = 1
+    values [T+1, E], the rest [T, E]. discounts are 0 where an episode terminated; a truncation keeps gamma and
+    bootstraps from its final observation x_{t+1}. A reset step (valid 0) adds nothing and cuts the trace."""
+    clipped_rhos = jnp.minimum(1.0, rhos)
     cs = lambda_ * clipped_rhos
     deltas = valid * clipped_rhos * (rewards + discounts * values[1:] - values[:-1])
 
@@ -350,9 +348,8 @@ class Losses(NamedTuple):
 
 
 def impala_loss(params, rollout, args):
-    """Summed over this learner's valid steps, not averaged: the IMPALA paper's loss is a sum over
-    time and batch, and under RMSProp with epsilon 0.01 its scale matters (a mean's gradients
-    are T x E times smaller, so epsilon swamps them). The learners' sums are added up."""
+    """Summed, not averaged, over this learner's valid steps, as the IMPALA paper's loss: under RMSProp with
+    epsilon 0.01 the scale matters (a mean's gradients are T x E times smaller, and epsilon swamps them)."""
     logits, values = apply(params, rollout.obs, args.network)  # [T+1, E, A], [T+1, E]
     logp_taken = log_prob(logits[:-1], rollout.actions)
     rhos = jnp.exp(logp_taken - log_prob(rollout.logits, rollout.actions))  # pi / mu, the lag's importance weights
@@ -365,11 +362,11 @@ def impala_loss(params, rollout, args):
     return loss, Losses(loss=loss, policy_loss=policy_loss, value_loss=value_loss, entropy=entropy_sum)
 
 
-# ---- Acting (actor devices): Python threads step the envs and run the policy ---------------
+# ---- Acting (actor devices): Python threads step the envs and run the policy----
 
 @partial(jax.jit, static_argnames="network")
 def act(params, obs, key, network):
-    """Sample actions on the actor device, with what the learner needs of them."""
+    """Sample actions on the actor device."""
     key, sub = jax.random.split(key)
     logits, _ = apply(params, obs, network)
     actions = jax.random.categorical(sub, logits)
@@ -412,8 +409,8 @@ def track_games(state, step, stats):
 
 
 def collect(args, groups, params, states, stats):
-    """--num-steps steps of each group of envs, taking turns: envpool steps one while the policy acts for the
-    next. Returns the Rollout (the groups side by side along E) and the next ActorStates."""
+    """--num-steps steps of each group, taking turns: envpool steps one while the policy acts for the next.
+    The groups lie side by side along E of the Rollout."""
     steps, states = [[] for _ in groups], list(states)  # per group: a dict of [E] arrays a step
     for t in range(args.num_steps + 1):
         for g, envs in enumerate(groups):
@@ -452,7 +449,6 @@ def start_groups(args, index, device, start_update):
 
 @contextlib.contextmanager
 def timer(seconds, name):
-    """Add the seconds the `with` block takes to seconds[name]."""
     start = time.perf_counter()
     yield
     seconds[name] += time.perf_counter() - start
@@ -471,7 +467,7 @@ def until_stopped(op, stopping, *op_args):
 
 
 class ParamStore:
-    """The newest parameters, a copy on each actor device, and their version (updates made)."""
+    """The newest parameters on each actor device, and their version (updates made)."""
 
     def __init__(self, devices):
         self.cond, self.devices, self.version, self.params = threading.Condition(), devices, -1, None
@@ -493,7 +489,7 @@ class ParamStore:
 class Shared(NamedTuple):  # what this host's actor threads and learner loop share
     layout: "Layout"
     store: ParamStore  # parameters to the actors
-    queues: list  # rollouts to the learner, one bounded queue per actor thread
+    queues: list  # one bounded queue of rollouts per actor thread
     stop: threading.Event  # set at the end or when an actor thread fails
     errors: list  # the failed threads' tracebacks
     caught: list  # stop signals (catch_stop_signals)
@@ -504,7 +500,7 @@ class Shared(NamedTuple):  # what this host's actor threads and learner loop sha
 
 
 def actor_loop(args, shared, i):
-    """Actor thread i of this host (paper section 4): act, ship each rollout to the learners."""
+    """Actor thread i of this host: act, and ship each rollout to the learners."""
     device = shared.layout.actor_devices[i // args.num_actor_threads]
     index = jax.process_index() * len(shared.queues) + i  # among all hosts' threads
     groups, states = start_groups(args, index, device, shared.start_update)
@@ -535,7 +531,7 @@ def actor_thread(args, shared, i):
         shared.stop.set()
 
 
-# ---- Learning (learner devices): one IMPALA update in one compiled call ---------------------
+# ---- Learning (learner devices): one IMPALA update in one compiled call
 
 class TrainState(NamedTuple):
     params: dict
@@ -547,9 +543,8 @@ def learning_rate(args, num_updates, update):  # update 0 is the first
 
 
 def make_optimizer(args, num_updates):
-    """RMSProp (decay 0.99, no momentum) and global-norm clipping, as in the IMPALA paper. Epsilon goes outside
-    the root, as in torchbeast and Cleanba: inside (optax's default) 0.01 floors the denominator at 0.1 and the
-    policy barely moves on Atari."""
+    """The IMPALA paper's RMSProp and clipping. Epsilon goes outside the root, as in torchbeast and Cleanba: inside
+    (optax's default) 0.01 floors the denominator at 0.1 and the policy barely moves on Atari."""
     lr = lambda count: learning_rate(args, num_updates, count)
     return optax.chain(optax.clip_by_global_norm(args.max_grad_norm),
                        optax.rmsprop(lr, decay=0.99, eps=args.rmsprop_eps, eps_in_sqrt=False))
@@ -579,7 +574,7 @@ def make_update(args, mesh, num_updates):
                                  check_vma=False))
 
 
-# ---- The device mapping: actor and learner devices on every host, rollouts between them ----
+# ---- The device mapping: actor and learner devices, rollouts between them
 
 class Layout(NamedTuple):
     actor_devices: list  # this host's
@@ -632,7 +627,7 @@ def local(tree):
     return jax.tree.map(lambda x: x.addressable_shards[0].data, tree)
 
 
-# ---- The learner loop (main thread): rollouts in, updates, parameters out ----------------
+# ---- The learner loop (main thread): rollouts in, updates, parameters out
 
 def receive(shared):
     """Every local actor thread's (rollout parts, ActorStats); None once a stop signal is caught."""
@@ -644,7 +639,7 @@ def receive(shared):
 
 
 def learn(args, shared, state):
-    """The learner (paper section 4): receive rollouts, update, publish, report. Returns the state and last row."""
+    """Receive rollouts, update, publish, report; returns the state and the last metrics row."""
     update_fn, start, row = make_update(args, shared.layout.mesh, shared.num_updates), time.perf_counter(), {}
     window = Window(start=start, actors=[], losses=[], learner=[])
     for update in range(shared.start_update + 1, shared.num_updates + 1):
@@ -688,7 +683,7 @@ def initial_state(args, env_info, layout, batch):
     return state, int(ckpt["update"]) if ckpt else 0
 
 
-# ---- The metrics: CleanRL's names and Cleanba's timing scalars -----------------------------
+# ---- The metrics: CleanRL's names and Cleanba's timing scalars
 
 class Window(NamedTuple):  # since the last metrics row
     start: float  # time.perf_counter()
@@ -715,7 +710,7 @@ def report(args, shared, window, update, start):
     return row
 
 
-# ---- This script's flags ------------------------------------------------------------------
+# ---- This script's flags
 
 def check_args(args):
     """Flag checks; returns the args, their defaults filled in, and the EnvInfo."""
@@ -755,7 +750,7 @@ def check_sizes(args, layout, env_info):
     return batch
 
 
-# ---- The run: actor threads feed the learner (main thread) through bounded queues ---------
+# ---- The run: actor threads feed the learner (main thread) through bounded queues
 
 def main(args):
     caught = catch_stop_signals()
@@ -776,7 +771,7 @@ def main(args):
         f"learner devices {[d.id for d in layout.learner_devices]} x {jax.process_count()} host(s)")
     try:
         state, row = learn(args, shared, state)
-    except Stopped:  # an actor thread failed: its traceback, then exit status 1
+    except Stopped:  # an actor thread failed
         exit_now(1, run, "".join(shared.errors).rstrip())
     finally:
         shared.stop.set()  # the actor threads end

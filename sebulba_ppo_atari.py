@@ -1,6 +1,5 @@
-"""Sebulba PPO: the Podracer paper's actor/learner split (Hessel et al. 2021, section 4) running the PPO
-Atari recipe (Schulman et al. 2017; CleanRL's and Cleanba's settings) on an envpool id with images (Atari
-`*-v5` with the PPO paper's protocol) or a gymnasium id, stepped on the host CPU; vectors: sebulba_impala.py.
+"""Sebulba PPO: the Podracer paper's actor/learner split (Hessel et al. 2021) running CleanRL's PPO Atari
+recipe (Schulman et al. 2017) on envpool or gymnasium image envs stepped on the host CPU.
 
     host CPU (per host)                 actor device(s)              learner devices (all hosts)
     -------------------                 ---------------              ---------------------------
@@ -11,8 +10,8 @@ Atari recipe (Schulman et al. 2017; CleanRL's and Cleanba's settings) on an envp
                                         (device_put, bounded queue)  GAE, then epochs x minibatches
                                                                      of PPO, grads psum'd over all
                                    <------------------------------  new params (one update later)
-    Actors act with parameters at most one update old (stats/param_lag; --no-policy-lag: the newest).
-    Decoupled PPO (Hilton et al. 2021) still learns from samples the lag put outside PPO's clip window.
+    Actors act with parameters at most one update old (stats/param_lag); decoupled PPO (Hilton et al. 2021)
+    learns from the samples the lag puts outside PPO's clip window.
 
     python sebulba_ppo_atari.py --env-id Breakout-v5
     python sebulba_ppo_atari.py --env-id Pong-v5 --actor-device-ids 0 --learner-device-ids 1 2 3
@@ -43,7 +42,7 @@ from functools import cache, partial
 from pathlib import Path
 from typing import NamedTuple
 
-STOP_PIPE = os.pipe()  # from now on a stop signal only writes its number here (catch_stop_signals reads it)
+STOP_PIPE = os.pipe()  # a stop signal only writes its number here; catch_stop_signals reads it
 if __name__ == "__main__":
     os.set_blocking(STOP_PIPE[1], False)
     signal.set_wakeup_fd(STOP_PIPE[1])
@@ -67,19 +66,19 @@ import gymnasium as gym
 
 @dataclasses.dataclass
 class Args:
-    """The defaults act and learn on one GPU. More envs per policy call fill it (a larger batch learns differently):
-    try 2-4 actor threads x 32-64 envs with --async-envs; `python tests/benchmark.py --gpu-check` measures them."""
+    """The defaults use one GPU; to fill it, try 2-4 actor threads x 32-64 envs with --async-envs (a larger batch
+    learns differently)."""
 
     env_id: str = "Breakout-v5"  # an envpool id with images (Atari `*-v5`) or a gymnasium id (`module:Name-v0`)
     seed: int = 1  # seeds parameters, envs and sampling
-    total_timesteps: int = 10_000_000  # agent steps of all envs of all hosts
+    total_timesteps: int = 10_000_000  # agent steps, all hosts
     learning_rate: float = 2.5e-4  # Adam step size
-    anneal_lr: bool = True  # anneal the learning rate linearly to 0
+    anneal_lr: bool = True  # linearly to 0
     actor_device_ids: list[int] | None = None  # local device indices that act (default: 0)
     learner_device_ids: list[int] | None = None  # local device indices that learn (default: the others, else 0)
     num_actor_threads: int = 2  # per actor device: one steps its envs while another acts
     local_num_envs: int = 16  # envs per actor thread (one policy call per step)
-    async_envs: bool = False  # a thread's envs in two halves: one steps while the policy acts for the other
+    async_envs: bool = False  # step half the envs while acting for the other half
     num_steps: int = 128  # rollout length per env per update
     gamma: float = 0.99  # discount
     gae_lambda: float = 0.95  # lambda of generalised advantage estimation
@@ -104,11 +103,11 @@ class Args:
     peer_timeout: int = 300  # seconds to wait for all processes to join
 
 
-# ---- The environment: stepped on the host by the actor threads (envpool or gymnasium) ------
+# ---- The environment: envpool or gymnasium, stepped on the host
 
 def atari_kwargs(machado):
-    """The IMPALA and PPO papers' protocol: a lost life ends a training episode, rewards clipped, 30 no-op starts."""
-    if machado:  # Machado et al. 2018; noop_max=1: no no-op starts (0 would crash envpool 1.2.5)
+    """The IMPALA and PPO papers' Atari protocol, or with `machado` Machado et al.'s (2018)."""
+    if machado:  # noop_max=1: no no-op starts (0 would crash envpool 1.2.5)
         return dict(episodic_life=False, reward_clip=True, noop_max=1,
                     repeat_action_probability=0.25, full_action_space=True)
     return dict(episodic_life=True, reward_clip=True, noop_max=30)
@@ -122,7 +121,7 @@ class EnvInfo(NamedTuple):
 
 
 def env_spaces(env_id, machado):
-    """(observation space, action space, source, atari) of an envpool id, else a gymnasium one (`module:Name-v0`)."""
+    """An envpool id's spaces, else a gymnasium id's (`module:Name-v0`)."""
     if env_id in envpool.list_all_envs():
         atari = hasattr(envpool.make_spec(env_id).config, "episodic_life")
         spec = envpool.make_spec(env_id, **(atari_kwargs(machado) if atari else {}))
@@ -157,8 +156,8 @@ def describe_env(env_id, machado):
 
 
 class Step(NamedTuple):
-    obs: np.ndarray  # [E, *obs_shape] the next observation
-    reward: np.ndarray  # [E] the training reward (Atari: clipped to [-1, 1])
+    obs: np.ndarray  # [E, *obs_shape]
+    reward: np.ndarray  # [E] (Atari: clipped to [-1, 1])
     terminated: np.ndarray  # [E] no bootstrap (Atari: a life lost too)
     ended: np.ndarray  # [E] terminated or truncated: the next step resets
     score: np.ndarray  # [E] the game's own reward (Atari: unclipped)
@@ -176,7 +175,7 @@ def make_envs(args, num_envs, seed):
     if env_info.source == "gymnasium":  # autoresets on the next step, like envpool
         pool = gym.make_vec(args.env_id.rpartition(":")[2], num_envs=num_envs, vectorization_mode="sync")
         return Envs(pool=pool, env_info=env_info, seed=seed)
-    # envpool's threads: the host's cores shared out among all env batches, not one per core each
+    # the host's cores shared among all env batches
     batches = len(args.actor_device_ids or [0]) * args.num_actor_threads * (2 if args.async_envs else 1)
     threads = min(num_envs, max(1, len(os.sched_getaffinity(0)) // batches))
     pool = envpool.make(args.env_id, env_type="gymnasium", num_envs=num_envs, seed=seed, num_threads=threads,
@@ -185,7 +184,7 @@ def make_envs(args, num_envs, seed):
 
 
 def host_obs(obs, env_info):
-    """envpool's layout and no float64: gymnasium images [E, H, W, C] -> [E, C, H, W]."""
+    """gymnasium's images [E, H, W, C] -> envpool's [E, C, H, W]; float64 -> float32."""
     if env_info.source == "gymnasium" and obs.ndim == 4:
         obs = np.moveaxis(obs, -1, 1)
     return obs.astype(np.float32) if obs.dtype == np.float64 else obs
@@ -216,7 +215,7 @@ def env_step(envs, actions, sent=False):
                 ended=terminated | truncated, score=score, game_over=game_over)
 
 
-# ---- The network: a CNN, then a hidden layer and the two heads; orthogonal init as in PPO --
+# ---- The network: a CNN, a hidden layer, two heads; PPO's orthogonal init
 
 # The (channels, kernel, stride) of each "VALID" conv, and the hidden layer's width.
 NATURE = ((32, 8, 4), (64, 4, 2), (64, 3, 1)), 512  # Nature DQN (Mnih et al. 2015), for 84x84 frames
@@ -256,7 +255,7 @@ def conv(p, x, stride=1, padding="SAME"):  # x [N, H, W, C]
                                         dimension_numbers=("NHWC", "HWIO", "NHWC")) + p["b"]
 
 
-def image_input(obs):  # [N, C, H, W] -> [N, H, W, C] float: uint8 frames scaled to [0, 1], others as they are
+def image_input(obs):  # [N, C, H, W] -> [N, H, W, C] float; uint8 frames to [0, 1]
     x = jnp.transpose(obs, (0, 2, 3, 1)).astype(jnp.float32)
     return x / 255.0 if obs.dtype == jnp.uint8 else x
 
@@ -279,14 +278,13 @@ def entropy(logits):
     return -(jnp.exp(logp) * logp).sum(-1)
 
 
-# ---- The loss: GAE (Schulman et al. 2016) and PPO's clipped objective (2017), decoupled ---
+# ---- The loss: GAE (Schulman et al. 2016) and PPO's clipped objective (2017), decoupled
 
 def gae(rewards, values, terminated, dones, gamma, lam):
-    """Advantages [T, E] from rewards, terminated, dones [T, E] and values [T + 1, E].
+    """Advantages [T, E]; values [T + 1, E], the rest [T, E].
 
-    values[t + 1] is V of the observation step t returned: after a truncation the final observation (envpool
-    resets on the next step), so a truncation bootstraps from it and only `terminated` zeroes it. `dones` stops
-    the recursion, so the autoreset step after an end never leaks into the old episode."""
+    values[t + 1] is V of step t's observation, after a truncation the final one (envpool resets on the next
+    step): a truncation bootstraps from it, only `terminated` zeroes it. `dones` cuts the recursion at an end."""
     deltas = rewards + gamma * values[1:] * (1.0 - terminated) - values[:-1]
 
     def backward(next_adv, x):
@@ -312,11 +310,10 @@ def clipped_surrogate(ratio, advantages, clip):
 
 
 def decoupled_surrogate(logp, prox_logp, behaviour_logp, advantages, clip):
-    """Per-sample decoupled PPO policy loss (Hilton et al. 2021, arXiv 2110.00641): the ratio is clipped around
-    the proximal policy pi_prox (the learner's parameters at the update's start), and pi_prox / mu reweights each
-    sample of the behaviour policy mu (the actor's, up to one update older). With pi_prox == mu it is PPO's.
-    The weight is unclipped, as in the paper: clipping would bias the update toward mu. One update apart it is
-    near 1 for most samples; the global-norm gradient clip bounds an outlier."""
+    """Per-sample decoupled PPO policy loss (Hilton et al. 2021): the ratio is clipped around pi_prox (the
+    learner's parameters at the update's start) and pi_prox / mu reweights the actor's samples (mu, up to one
+    update older). With pi_prox == mu it is PPO's. The weight stays unclipped, as in the paper (clipping biases
+    the update toward mu); one update apart it is near 1, and the gradient clip bounds an outlier."""
     weight = jax.lax.stop_gradient(jnp.exp(prox_logp - behaviour_logp))
     ratio = jnp.exp(logp - jax.lax.stop_gradient(prox_logp))
     return weight * clipped_surrogate(ratio, advantages, clip)
@@ -331,7 +328,7 @@ def clipped_value_loss(values, old_values, returns, clip):
 class Samples(NamedTuple):  # flattened [N] learning samples on one learner
     obs: jax.Array  # [N, *obs_shape]
     actions: jax.Array
-    logprobs: jax.Array  # log mu, stored at acting time
+    logprobs: jax.Array  # log mu
     values: jax.Array  # acting-time values
     advantages: jax.Array
     returns: jax.Array
@@ -343,10 +340,9 @@ class Losses(NamedTuple):
     policy_loss: jax.Array
     value_loss: jax.Array
     entropy: jax.Array
-    approx_kl: jax.Array  # of pi from pi_prox: how far this update has moved
+    approx_kl: jax.Array  # of pi from pi_prox
     clipfrac: jax.Array  # pi / pi_prox outside the clip window
-    # pi / mu outside the window in an update's first minibatch (pi == pi_prox): the samples the lag alone put
-    # there, which plain PPO (window around mu) would learn nothing from.
+    # pi / mu outside the window in an update's first minibatch: the lag's samples plain PPO would not learn from
     clipfrac_first: jax.Array
 
 
@@ -371,11 +367,11 @@ def ppo_loss(params, mb, args, axis_name):
     return loss, losses
 
 
-# ---- Acting (actor devices): Python threads step the envs and run the policy ---------------
+# ---- Acting (actor devices): Python threads step the envs and run the policy----
 
 @jax.jit
 def act(params, obs, key):
-    """Sample actions on the actor device, with what the learner needs of them."""
+    """Sample actions on the actor device."""
     key, sub = jax.random.split(key)
     logits, values = apply(params, obs)
     actions = jax.random.categorical(sub, logits)
@@ -420,8 +416,8 @@ def track_games(state, step, stats):
 
 
 def collect(args, groups, params, states, stats):
-    """--num-steps steps of each group of envs, taking turns: envpool steps one while the policy acts for the
-    next. Returns the Rollout (the groups side by side along E) and the next ActorStates."""
+    """--num-steps steps of each group, taking turns: envpool steps one while the policy acts for the next.
+    The groups lie side by side along E of the Rollout."""
     steps, states = [[] for _ in groups], list(states)  # per group: a dict of [E] arrays a step
     for t in range(args.num_steps + 1):
         for g, envs in enumerate(groups):
@@ -438,7 +434,7 @@ def collect(args, groups, params, states, stats):
                 env_send(envs, actions)
                 steps[g].append(dict(obs=states[g].obs, actions=actions, logprobs=logprobs, values=values))
                 states[g] = states[g]._replace(key=key)
-    bootstrap = []  # V of each group's observation after its last step
+    bootstrap = []  # V of each group's last observation
     for g, state in enumerate(states):
         _, _, value, key = act(params, state.obs, state.key)
         bootstrap, states[g] = bootstrap + [value], state._replace(key=key)
@@ -464,7 +460,6 @@ def start_groups(args, index, device, start_update):
 
 @contextlib.contextmanager
 def timer(seconds, name):
-    """Add the seconds the `with` block takes to seconds[name]."""
     start = time.perf_counter()
     yield
     seconds[name] += time.perf_counter() - start
@@ -483,7 +478,7 @@ def until_stopped(op, stopping, *op_args):
 
 
 class ParamStore:
-    """The newest parameters, a copy on each actor device, and their version (updates made)."""
+    """The newest parameters on each actor device, and their version (updates made)."""
 
     def __init__(self, devices):
         self.cond, self.devices, self.version, self.params = threading.Condition(), devices, -1, None
@@ -505,7 +500,7 @@ class ParamStore:
 class Shared(NamedTuple):  # what this host's actor threads and learner loop share
     layout: "Layout"
     store: ParamStore  # parameters to the actors
-    queues: list  # rollouts to the learner, one bounded queue per actor thread
+    queues: list  # one bounded queue of rollouts per actor thread
     stop: threading.Event  # set at the end or when an actor thread fails
     errors: list  # the failed threads' tracebacks
     caught: list  # stop signals (catch_stop_signals)
@@ -516,7 +511,7 @@ class Shared(NamedTuple):  # what this host's actor threads and learner loop sha
 
 
 def actor_loop(args, shared, i):
-    """Actor thread i of this host (paper section 4): act, ship each rollout to the learners."""
+    """Actor thread i of this host: act, and ship each rollout to the learners."""
     device = shared.layout.actor_devices[i // args.num_actor_threads]
     index = jax.process_index() * len(shared.queues) + i  # among all hosts' threads
     groups, states = start_groups(args, index, device, shared.start_update)
@@ -547,7 +542,7 @@ def actor_thread(args, shared, i):
         shared.stop.set()
 
 
-# ---- Learning (learner devices): one PPO update in one compiled call ------------------------
+# ---- Learning (learner devices): one PPO update in one compiled call
 
 class TrainState(NamedTuple):
     params: dict
@@ -615,7 +610,7 @@ def make_update(args, mesh, num_updates):
                                  check_vma=False))
 
 
-# ---- The device mapping: actor and learner devices on every host, rollouts between them ----
+# ---- The device mapping: actor and learner devices, rollouts between them
 
 class Layout(NamedTuple):
     actor_devices: list  # this host's
@@ -668,7 +663,7 @@ def local(tree):
     return jax.tree.map(lambda x: x.addressable_shards[0].data, tree)
 
 
-# ---- The learner loop (main thread): rollouts in, updates, parameters out ----------------
+# ---- The learner loop (main thread): rollouts in, updates, parameters out
 
 def receive(shared):
     """Every local actor thread's (rollout parts, ActorStats); None once a stop signal is caught."""
@@ -680,7 +675,7 @@ def receive(shared):
 
 
 def learn(args, shared, state):
-    """The learner (paper section 4): receive rollouts, update, publish, report. Returns the state and last row."""
+    """Receive rollouts, update, publish, report; returns the state and the last metrics row."""
     update_fn, start, row = make_update(args, shared.layout.mesh, shared.num_updates), time.perf_counter(), {}
     window = Window(start=start, actors=[], losses=[], learner=[])
     for update in range(shared.start_update + 1, shared.num_updates + 1):
@@ -724,7 +719,7 @@ def initial_state(args, env_info, layout, batch):
     return state, int(ckpt["update"]) if ckpt else 0
 
 
-# ---- The metrics: CleanRL's names and Cleanba's timing scalars -----------------------------
+# ---- The metrics: CleanRL's names and Cleanba's timing scalars
 
 class Window(NamedTuple):  # since the last metrics row
     start: float  # time.perf_counter()
@@ -751,7 +746,7 @@ def report(args, shared, window, update, start):
     return row
 
 
-# ---- This script's flags ------------------------------------------------------------------
+# ---- This script's flags
 
 def check_args(args):
     """Flag checks; returns the args and the EnvInfo."""
@@ -785,7 +780,7 @@ def check_sizes(args, layout, env_info):
     return batch
 
 
-# ---- The run: actor threads feed the learner (main thread) through bounded queues ---------
+# ---- The run: actor threads feed the learner (main thread) through bounded queues
 
 def main(args):
     caught = catch_stop_signals()
@@ -806,7 +801,7 @@ def main(args):
         f"learner devices {[d.id for d in layout.learner_devices]} x {jax.process_count()} host(s)")
     try:
         state, row = learn(args, shared, state)
-    except Stopped:  # an actor thread failed: its traceback, then exit status 1
+    except Stopped:  # an actor thread failed
         exit_now(1, run, "".join(shared.errors).rstrip())
     finally:
         shared.stop.set()  # the actor threads end
