@@ -1,5 +1,4 @@
-"""Sebulba IMPALA: the Podracer paper's actor/learner split (Hessel et al. 2021) running IMPALA with V-trace
-(Espeholt et al. 2018) on envpool or gymnasium envs stepped on the host CPU.
+"""Sebulba IMPALA: the Podracer paper's actor/learner split (Hessel et al. 2021) with V-trace (Espeholt et al. 2018).
 
     host CPU (per host)                 actor device(s)              learner devices (all hosts)
     -------------------                 ---------------              ---------------------------
@@ -42,7 +41,7 @@ from functools import cache, partial
 from pathlib import Path
 from typing import Literal, NamedTuple
 
-STOP_PIPE = os.pipe()  # a stop signal only writes its number here; catch_stop_signals reads it
+STOP_PIPE = os.pipe()  # stop signals write their numbers here (catch_stop_signals)
 if __name__ == "__main__":
     os.set_blocking(STOP_PIPE[1], False)
     signal.set_wakeup_fd(STOP_PIPE[1])
@@ -63,23 +62,23 @@ from tensorboardX.summary import scalar
 import envpool
 import gymnasium as gym
 
-# envpool's classic-control specs trip a harmless gymnasium warning about float64 bounds
+# a harmless gymnasium warning on envpool's classic-control specs
 warnings.filterwarnings("ignore", message=".*precision lowered.*")
 
 
 @dataclasses.dataclass
 class Args:
-    """The defaults use one GPU; to fill it, try 2-4 actor threads x 32-64 envs with --async-envs (a larger batch
-    learns differently)."""
+    """Defaults use one GPU; fill it with 2-4 actor threads x 32-64 envs and --async-envs (a larger batch learns
+    differently)."""
 
-    env_id: str = "Breakout-v5"  # an envpool id (Atari `*-v5`, `CartPole-v1`) or a gymnasium id (`module:Name-v0`)
+    env_id: str = "Breakout-v5"  # envpool (Atari `*-v5`, `CartPole-v1`) or gymnasium (`module:Name-v0`) id
     seed: int = 1  # seeds parameters, envs and sampling
     total_timesteps: int | None = None  # agent steps, all hosts (default: 10M images, 300k vectors)
     learning_rate: float | None = None  # RMSProp step size (default: 6e-4 images, 5e-3 vectors)
     anneal_lr: bool = True  # linearly to 0
     actor_device_ids: list[int] | None = None  # local device indices that act (default: 0)
     learner_device_ids: list[int] | None = None  # local device indices that learn (default: the others, else 0)
-    num_actor_threads: int = 2  # per actor device: one steps its envs while another acts
+    num_actor_threads: int = 2  # per actor device: one steps envs while another acts
     local_num_envs: int = 16  # envs per actor thread (one policy call per step)
     async_envs: bool = False  # step half the envs while acting for the other half
     num_steps: int | None = None  # rollout length per env per update (default: 20 images, 16 vectors)
@@ -94,7 +93,7 @@ class Args:
     log_every: int | None = None  # updates between metrics rows (default: 10 images, 40 vectors)
     checkpoint_every: int = 100  # updates between checkpoints (and one at the end)
     # Read by the plumbing appendix only.
-    exp_name: str = Path(__file__).stem  # part of the run folder's name
+    exp_name: str = Path(__file__).stem  # in the run folder's name
     run_dir: str = "runs"  # parent folder of run folders
     resume: str | None = None  # checkpoint.npz to continue from (envs start afresh)
     distributed: bool = False  # call jax.distributed.initialize() (multi-host)
@@ -115,7 +114,7 @@ DEFAULTS = {"image": dict(total_timesteps=10_000_000, learning_rate=6e-4, num_st
 # ---- The environment: envpool or gymnasium, stepped on the host
 
 def atari_kwargs(machado):
-    """The IMPALA and PPO papers' Atari protocol, or with `machado` Machado et al.'s (2018)."""
+    """The IMPALA and PPO papers' Atari protocol, or --machado's."""
     if machado:  # noop_max=1: no no-op starts (0 would crash envpool 1.2.5)
         return dict(episodic_life=False, reward_clip=True, noop_max=1,
                     repeat_action_probability=0.25, full_action_space=True)
@@ -123,10 +122,10 @@ def atari_kwargs(machado):
 
 
 class EnvInfo(NamedTuple):
-    obs_shape: tuple  # images are [C, H, W], envpool's layout
+    obs_shape: tuple  # images [C, H, W]
     num_actions: int
     source: str  # "envpool" or "gymnasium"
-    atari: bool  # envpool Atari (atari_kwargs); info["reward"] is the unclipped score
+    atari: bool  # envpool Atari: info["reward"] is the unclipped score
 
 
 def env_spaces(env_id, machado):
@@ -150,7 +149,6 @@ def env_spaces(env_id, machado):
 
 @cache  # check_args and each make_envs ask: one probe per run
 def describe_env(env_id, machado):
-    """The EnvInfo of an env this agent can play."""
     obs_space, act_space, source, atari = env_spaces(env_id, machado)
     if machado and not atari:
         fail(f"--machado applies to Atari ids only, not {env_id!r}")
@@ -169,8 +167,8 @@ class Step(NamedTuple):
     reward: np.ndarray  # [E] (Atari: clipped to [-1, 1])
     terminated: np.ndarray  # [E] no bootstrap (Atari: a life lost too)
     ended: np.ndarray  # [E] terminated or truncated: the next step resets
-    score: np.ndarray  # [E] the game's own reward (Atari: unclipped)
-    game_over: np.ndarray  # [E] the whole game ended (Atari: its last life) or was truncated
+    score: np.ndarray  # [E] (Atari: unclipped)
+    game_over: np.ndarray  # [E] (Atari: the last life lost) or truncated
 
 
 class Envs(NamedTuple):  # one batch of envs, stepped together
@@ -193,7 +191,7 @@ def make_envs(args, num_envs, seed):
 
 
 def host_obs(obs, env_info):
-    """gymnasium's images [E, H, W, C] -> envpool's [E, C, H, W]; float64 -> float32."""
+    """gymnasium images -> envpool's [E, C, H, W]; float64 -> float32."""
     if env_info.source == "gymnasium" and obs.ndim == 4:
         obs = np.moveaxis(obs, -1, 1)
     return obs.astype(np.float32) if obs.dtype == np.float64 else obs
@@ -276,7 +274,7 @@ def image_input(obs):  # [N, C, H, W] -> [N, H, W, C] float; uint8 frames to [0,
     return x / 255.0 if obs.dtype == jnp.uint8 else x
 
 
-def features(p, obs, network):  # obs [N, *obs_shape] -> policy and value features: [N, 256] (mlp: [N, 64])
+def features(p, obs, network):  # obs [N, *obs_shape] -> policy and value features [N, 256] (mlp: [N, 64])
     if network == "mlp":
         return [jnp.tanh(dense(p[f"{head}1"], jnp.tanh(dense(p[f"{head}0"], obs)))) for head in ("policy", "value")]
     x = image_input(obs)
@@ -348,8 +346,8 @@ class Losses(NamedTuple):
 
 
 def impala_loss(params, rollout, args):
-    """Summed, not averaged, over this learner's valid steps, as the IMPALA paper's loss: under RMSProp with
-    epsilon 0.01 the scale matters (a mean's gradients are T x E times smaller, and epsilon swamps them)."""
+    """A sum over this learner's valid steps, as in the IMPALA paper: with RMSProp's epsilon 0.01, a mean's
+    gradients (T x E times smaller) would be swamped."""
     logits, values = apply(params, rollout.obs, args.network)  # [T+1, E, A], [T+1, E]
     logp_taken = log_prob(logits[:-1], rollout.actions)
     rhos = jnp.exp(logp_taken - log_prob(rollout.logits, rollout.actions))  # pi / mu, the lag's importance weights
@@ -362,11 +360,10 @@ def impala_loss(params, rollout, args):
     return loss, Losses(loss=loss, policy_loss=policy_loss, value_loss=value_loss, entropy=entropy_sum)
 
 
-# ---- Acting (actor devices): Python threads step the envs and run the policy----
+# ---- Acting (actor devices)
 
 @partial(jax.jit, static_argnames="network")
 def act(params, obs, key, network):
-    """Sample actions on the actor device."""
     key, sub = jax.random.split(key)
     logits, _ = apply(params, obs, network)
     actions = jax.random.categorical(sub, logits)
@@ -383,7 +380,7 @@ class Rollout(NamedTuple):  # --num-steps steps of E envs
 
 
 class ActorState(NamedTuple):  # carried from step to step
-    obs: np.ndarray  # [E, *obs_shape] the observation to act on
+    obs: np.ndarray  # [E, *obs_shape] to act on
     key: jax.Array  # on the actor device
     ended: np.ndarray  # [E] obs ends an episode: the next step resets
     game_return: np.ndarray  # [E] of the game in progress (Atari: unclipped)
@@ -409,8 +406,7 @@ def track_games(state, step, stats):
 
 
 def collect(args, groups, params, states, stats):
-    """--num-steps steps of each group, taking turns: envpool steps one while the policy acts for the next.
-    The groups lie side by side along E of the Rollout."""
+    """--num-steps steps of each group, taking turns: envpool steps one while the policy acts for the next."""
     steps, states = [[] for _ in groups], list(states)  # per group: a dict of [E] arrays a step
     for t in range(args.num_steps + 1):
         for g, envs in enumerate(groups):
@@ -434,7 +430,7 @@ def collect(args, groups, params, states, stats):
 
 
 def start_groups(args, index, device, start_update):
-    """Actor thread `index`'s groups of envs (two with --async-envs) and their first ActorStates."""
+    """Actor thread `index`'s env groups (two with --async-envs) and first ActorStates."""
     num_groups = 2 if args.async_envs else 1
     n = args.local_num_envs // num_groups
     groups, states = [], []
@@ -478,7 +474,7 @@ class ParamStore:
             self.version, self.params = version, params
             self.cond.notify_all()
 
-    def wait(self, min_version, stop):  # -> (version, params) once version >= min_version
+    def wait(self, min_version, stop):
         with self.cond:
             while not self.cond.wait_for(lambda: self.version >= min_version, timeout=0.5):
                 if stop.is_set():
@@ -488,25 +484,25 @@ class ParamStore:
 
 class Shared(NamedTuple):  # what this host's actor threads and learner loop share
     layout: "Layout"
-    store: ParamStore  # parameters to the actors
+    store: ParamStore
     queues: list  # one bounded queue of rollouts per actor thread
     stop: threading.Event  # set at the end or when an actor thread fails
     errors: list  # the failed threads' tracebacks
     caught: list  # stop signals (catch_stop_signals)
-    run: "Run"  # the run folder (plumbing)
+    run: "Run"
     start_update: int  # the update this run starts after (a resumed run's)
     num_updates: int
     batch: int  # steps per update
 
 
 def actor_loop(args, shared, i):
-    """Actor thread i of this host: act, and ship each rollout to the learners."""
+    """Actor thread i of this host."""
     device = shared.layout.actor_devices[i // args.num_actor_threads]
     index = jax.process_index() * len(shared.queues) + i  # among all hosts' threads
     groups, states = start_groups(args, index, device, shared.start_update)
     seconds = defaultdict(float, actor_queue_wait=0.0)  # this rollout's timings
     for u in range(shared.start_update, shared.num_updates):
-        # Rollout u feeds update u + 1 and may act with version u - 1 (lag 1): V-trace corrects for it.
+        # Rollout u feeds update u + 1 and may act with version u - 1.
         with timer(seconds, "actor_params_wait"):
             version, params = shared.store.wait(u - 1, shared.stop)
         stats = ActorStats(returns=[], lengths=[], lag=u - version, seconds=seconds)
@@ -543,8 +539,8 @@ def learning_rate(args, num_updates, update):  # update 0 is the first
 
 
 def make_optimizer(args, num_updates):
-    """The IMPALA paper's RMSProp and clipping. Epsilon goes outside the root, as in torchbeast and Cleanba: inside
-    (optax's default) 0.01 floors the denominator at 0.1 and the policy barely moves on Atari."""
+    """The IMPALA paper's RMSProp, epsilon outside the root as in torchbeast and Cleanba: inside (optax's default),
+    0.01 floors the denominator at 0.1 and the policy barely moves on Atari."""
     lr = lambda count: learning_rate(args, num_updates, count)
     return optax.chain(optax.clip_by_global_norm(args.max_grad_norm),
                        optax.rmsprop(lr, decay=0.99, eps=args.rmsprop_eps, eps_in_sqrt=False))
@@ -566,7 +562,6 @@ def learner_update(state, rollout, args, optimizer):
 
 
 def make_update(args, mesh, num_updates):
-    """One update on every learner device of every host, one compiled call."""
     body = partial(learner_update, args=args, optimizer=make_optimizer(args, num_updates))
     # check_vma=False: the body sums the devices' gradients itself; with the check on, JAX would already
     # have summed those of the replicated (P()) parameters.
@@ -574,7 +569,7 @@ def make_update(args, mesh, num_updates):
                                  check_vma=False))
 
 
-# ---- The device mapping: actor and learner devices, rollouts between them
+# ---- The device mapping
 
 class Layout(NamedTuple):
     actor_devices: list  # this host's
@@ -639,7 +634,6 @@ def receive(shared):
 
 
 def learn(args, shared, state):
-    """Receive rollouts, update, publish, report; returns the state and the last metrics row."""
     update_fn, start, row = make_update(args, shared.layout.mesh, shared.num_updates), time.perf_counter(), {}
     window = Window(start=start, actors=[], losses=[], learner=[])
     for update in range(shared.start_update + 1, shared.num_updates + 1):
@@ -663,7 +657,7 @@ def learn(args, shared, state):
 
 def checkpoint(args, shared, state, update, last=False):
     """The safe point after `update`: a checkpoint when due or `last`; on a stop signal in any process, one and exit."""
-    def write():  # process 0 alone fetches the replicated state: the others would only pay the transfer
+    def write():  # process 0 alone fetches: the others would only pay the transfer
         if shared.run.checkpoint is not None:
             save(shared.run, {"state": jax.device_get(local(state)), "update": np.int64(update),
                               "global_step": np.int64(update * shared.batch)}, args)
@@ -693,7 +687,7 @@ class Window(NamedTuple):  # since the last metrics row
 
 
 def report(args, shared, window, update, start):
-    """Log the window's means (of the lag: its largest) as a metrics row; returns it."""
+    """The window's means (the lag's largest) as a logged metrics row."""
     mean = lambda xs: float(np.mean(xs))
     row = {"global_step": update * shared.batch, "update": update,
            "charts/SPS": len(window.losses) * shared.batch / (time.perf_counter() - window.start),
@@ -750,7 +744,7 @@ def check_sizes(args, layout, env_info):
     return batch
 
 
-# ---- The run: actor threads feed the learner (main thread) through bounded queues
+# ---- The run
 
 def main(args):
     caught = catch_stop_signals()

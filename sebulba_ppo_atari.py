@@ -1,5 +1,4 @@
-"""Sebulba PPO: the Podracer paper's actor/learner split (Hessel et al. 2021) running CleanRL's PPO Atari
-recipe (Schulman et al. 2017) on envpool or gymnasium image envs stepped on the host CPU.
+"""Sebulba PPO: the Podracer paper's actor/learner split (Hessel et al. 2021) with CleanRL's Atari PPO (2017).
 
     host CPU (per host)                 actor device(s)              learner devices (all hosts)
     -------------------                 ---------------              ---------------------------
@@ -42,7 +41,7 @@ from functools import cache, partial
 from pathlib import Path
 from typing import NamedTuple
 
-STOP_PIPE = os.pipe()  # a stop signal only writes its number here; catch_stop_signals reads it
+STOP_PIPE = os.pipe()  # stop signals write their numbers here (catch_stop_signals)
 if __name__ == "__main__":
     os.set_blocking(STOP_PIPE[1], False)
     signal.set_wakeup_fd(STOP_PIPE[1])
@@ -66,17 +65,17 @@ import gymnasium as gym
 
 @dataclasses.dataclass
 class Args:
-    """The defaults use one GPU; to fill it, try 2-4 actor threads x 32-64 envs with --async-envs (a larger batch
-    learns differently)."""
+    """Defaults use one GPU; fill it with 2-4 actor threads x 32-64 envs and --async-envs (a larger batch learns
+    differently)."""
 
-    env_id: str = "Breakout-v5"  # an envpool id with images (Atari `*-v5`) or a gymnasium id (`module:Name-v0`)
+    env_id: str = "Breakout-v5"  # envpool (Atari `*-v5`) or gymnasium (`module:Name-v0`) id with images
     seed: int = 1  # seeds parameters, envs and sampling
     total_timesteps: int = 10_000_000  # agent steps, all hosts
     learning_rate: float = 2.5e-4  # Adam step size
     anneal_lr: bool = True  # linearly to 0
     actor_device_ids: list[int] | None = None  # local device indices that act (default: 0)
     learner_device_ids: list[int] | None = None  # local device indices that learn (default: the others, else 0)
-    num_actor_threads: int = 2  # per actor device: one steps its envs while another acts
+    num_actor_threads: int = 2  # per actor device: one steps envs while another acts
     local_num_envs: int = 16  # envs per actor thread (one policy call per step)
     async_envs: bool = False  # step half the envs while acting for the other half
     num_steps: int = 128  # rollout length per env per update
@@ -93,7 +92,7 @@ class Args:
     log_every: int = 1  # updates between metrics rows
     checkpoint_every: int = 50  # updates between checkpoints (and one at the end)
     # Read by the plumbing appendix only.
-    exp_name: str = Path(__file__).stem  # part of the run folder's name
+    exp_name: str = Path(__file__).stem  # in the run folder's name
     run_dir: str = "runs"  # parent folder of run folders
     resume: str | None = None  # checkpoint.npz to continue from (envs start afresh)
     distributed: bool = False  # call jax.distributed.initialize() (multi-host)
@@ -106,7 +105,7 @@ class Args:
 # ---- The environment: envpool or gymnasium, stepped on the host
 
 def atari_kwargs(machado):
-    """The IMPALA and PPO papers' Atari protocol, or with `machado` Machado et al.'s (2018)."""
+    """The IMPALA and PPO papers' Atari protocol, or --machado's."""
     if machado:  # noop_max=1: no no-op starts (0 would crash envpool 1.2.5)
         return dict(episodic_life=False, reward_clip=True, noop_max=1,
                     repeat_action_probability=0.25, full_action_space=True)
@@ -117,7 +116,7 @@ class EnvInfo(NamedTuple):
     obs_shape: tuple  # [C, H, W], envpool's layout
     num_actions: int
     source: str  # "envpool" or "gymnasium"
-    atari: bool  # envpool Atari (atari_kwargs); info["reward"] is the unclipped score
+    atari: bool  # envpool Atari: info["reward"] is the unclipped score
 
 
 def env_spaces(env_id, machado):
@@ -141,7 +140,6 @@ def env_spaces(env_id, machado):
 
 @cache  # check_args and each make_envs ask: one probe per run
 def describe_env(env_id, machado):
-    """The EnvInfo of an env this agent can play."""
     obs_space, act_space, source, atari = env_spaces(env_id, machado)
     if machado and not atari:
         fail(f"--machado applies to Atari ids only, not {env_id!r}")
@@ -160,8 +158,8 @@ class Step(NamedTuple):
     reward: np.ndarray  # [E] (Atari: clipped to [-1, 1])
     terminated: np.ndarray  # [E] no bootstrap (Atari: a life lost too)
     ended: np.ndarray  # [E] terminated or truncated: the next step resets
-    score: np.ndarray  # [E] the game's own reward (Atari: unclipped)
-    game_over: np.ndarray  # [E] the whole game ended (Atari: its last life) or was truncated
+    score: np.ndarray  # [E] (Atari: unclipped)
+    game_over: np.ndarray  # [E] (Atari: the last life lost) or truncated
 
 
 class Envs(NamedTuple):  # one batch of envs, stepped together
@@ -184,7 +182,7 @@ def make_envs(args, num_envs, seed):
 
 
 def host_obs(obs, env_info):
-    """gymnasium's images [E, H, W, C] -> envpool's [E, C, H, W]; float64 -> float32."""
+    """gymnasium images -> envpool's [E, C, H, W]; float64 -> float32."""
     if env_info.source == "gymnasium" and obs.ndim == 4:
         obs = np.moveaxis(obs, -1, 1)
     return obs.astype(np.float32) if obs.dtype == np.float64 else obs
@@ -367,11 +365,10 @@ def ppo_loss(params, mb, args, axis_name):
     return loss, losses
 
 
-# ---- Acting (actor devices): Python threads step the envs and run the policy----
+# ---- Acting (actor devices)
 
 @jax.jit
 def act(params, obs, key):
-    """Sample actions on the actor device."""
     key, sub = jax.random.split(key)
     logits, values = apply(params, obs)
     actions = jax.random.categorical(sub, logits)
@@ -390,7 +387,7 @@ class Rollout(NamedTuple):  # --num-steps steps of E envs
 
 
 class ActorState(NamedTuple):  # carried from step to step
-    obs: np.ndarray  # [E, *obs_shape] the observation to act on
+    obs: np.ndarray  # [E, *obs_shape] to act on
     key: jax.Array  # on the actor device
     ended: np.ndarray  # [E] obs ends an episode: the next step resets
     game_return: np.ndarray  # [E] of the game in progress (Atari: unclipped)
@@ -416,8 +413,7 @@ def track_games(state, step, stats):
 
 
 def collect(args, groups, params, states, stats):
-    """--num-steps steps of each group, taking turns: envpool steps one while the policy acts for the next.
-    The groups lie side by side along E of the Rollout."""
+    """--num-steps steps of each group, taking turns: envpool steps one while the policy acts for the next."""
     steps, states = [[] for _ in groups], list(states)  # per group: a dict of [E] arrays a step
     for t in range(args.num_steps + 1):
         for g, envs in enumerate(groups):
@@ -445,7 +441,7 @@ def collect(args, groups, params, states, stats):
 
 
 def start_groups(args, index, device, start_update):
-    """Actor thread `index`'s groups of envs (two with --async-envs) and their first ActorStates."""
+    """Actor thread `index`'s env groups (two with --async-envs) and first ActorStates."""
     num_groups = 2 if args.async_envs else 1
     n = args.local_num_envs // num_groups
     groups, states = [], []
@@ -489,7 +485,7 @@ class ParamStore:
             self.version, self.params = version, params
             self.cond.notify_all()
 
-    def wait(self, min_version, stop):  # -> (version, params) once version >= min_version
+    def wait(self, min_version, stop):
         with self.cond:
             while not self.cond.wait_for(lambda: self.version >= min_version, timeout=0.5):
                 if stop.is_set():
@@ -499,25 +495,25 @@ class ParamStore:
 
 class Shared(NamedTuple):  # what this host's actor threads and learner loop share
     layout: "Layout"
-    store: ParamStore  # parameters to the actors
+    store: ParamStore
     queues: list  # one bounded queue of rollouts per actor thread
     stop: threading.Event  # set at the end or when an actor thread fails
     errors: list  # the failed threads' tracebacks
     caught: list  # stop signals (catch_stop_signals)
-    run: "Run"  # the run folder (plumbing)
+    run: "Run"
     start_update: int  # the update this run starts after (a resumed run's)
     num_updates: int
     batch: int  # steps per update
 
 
 def actor_loop(args, shared, i):
-    """Actor thread i of this host: act, and ship each rollout to the learners."""
+    """Actor thread i of this host."""
     device = shared.layout.actor_devices[i // args.num_actor_threads]
     index = jax.process_index() * len(shared.queues) + i  # among all hosts' threads
     groups, states = start_groups(args, index, device, shared.start_update)
     seconds = defaultdict(float, actor_queue_wait=0.0)  # this rollout's timings
     for u in range(shared.start_update, shared.num_updates):
-        # Rollout u feeds update u + 1 and may act with version u - 1 (lag 1); --no-policy-lag waits for u.
+        # Rollout u feeds update u + 1 and may act with version u - 1; --no-policy-lag waits for u.
         with timer(seconds, "actor_params_wait"):
             version, params = shared.store.wait(u - int(args.policy_lag), shared.stop)
         stats = ActorStats(returns=[], lengths=[], lag=u - version, seconds=seconds)
@@ -602,7 +598,6 @@ def learner_update(state, rollout, args, optimizer):
 
 
 def make_update(args, mesh, num_updates):
-    """One update on every learner device of every host, one compiled call."""
     body = partial(learner_update, args=args, optimizer=make_optimizer(args, num_updates))
     # check_vma=False: the body sums the devices' gradients itself; with the check on, JAX would already
     # have summed those of the replicated (P()) parameters.
@@ -610,7 +605,7 @@ def make_update(args, mesh, num_updates):
                                  check_vma=False))
 
 
-# ---- The device mapping: actor and learner devices, rollouts between them
+# ---- The device mapping
 
 class Layout(NamedTuple):
     actor_devices: list  # this host's
@@ -675,7 +670,6 @@ def receive(shared):
 
 
 def learn(args, shared, state):
-    """Receive rollouts, update, publish, report; returns the state and the last metrics row."""
     update_fn, start, row = make_update(args, shared.layout.mesh, shared.num_updates), time.perf_counter(), {}
     window = Window(start=start, actors=[], losses=[], learner=[])
     for update in range(shared.start_update + 1, shared.num_updates + 1):
@@ -699,7 +693,7 @@ def learn(args, shared, state):
 
 def checkpoint(args, shared, state, update, last=False):
     """The safe point after `update`: a checkpoint when due or `last`; on a stop signal in any process, one and exit."""
-    def write():  # process 0 alone fetches the replicated state: the others would only pay the transfer
+    def write():  # process 0 alone fetches: the others would only pay the transfer
         if shared.run.checkpoint is not None:
             save(shared.run, {"state": jax.device_get(local(state)), "update": np.int64(update),
                               "global_step": np.int64(update * shared.batch)}, args)
@@ -729,7 +723,7 @@ class Window(NamedTuple):  # since the last metrics row
 
 
 def report(args, shared, window, update, start):
-    """Log the window's means (of the lag: its largest) as a metrics row; returns it."""
+    """The window's means (the lag's largest) as a logged metrics row."""
     mean = lambda xs: float(np.mean(xs))
     row = {"global_step": update * shared.batch, "update": update,
            "charts/SPS": len(window.losses) * shared.batch / (time.perf_counter() - window.start),
@@ -780,7 +774,7 @@ def check_sizes(args, layout, env_info):
     return batch
 
 
-# ---- The run: actor threads feed the learner (main thread) through bounded queues
+# ---- The run
 
 def main(args):
     caught = catch_stop_signals()
