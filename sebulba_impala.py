@@ -79,7 +79,7 @@ class Args:
     actor_device_ids: list[int] | None = None  # local device indices that act (default: 0)
     learner_device_ids: list[int] | None = None  # local device indices that learn (default: the others, else 0)
     num_actor_threads: int = 2  # per actor device: one steps envs while another acts
-    local_num_envs: int = 16  # envs per actor thread (one policy call per step)
+    local_num_envs: int = 16  # envs per actor thread
     async_envs: bool = False  # step half the envs while acting for the other half
     num_steps: int | None = None  # rollout length per env per update (default: 20 images, 16 vectors)
     gamma: float = 0.99  # discount
@@ -97,21 +97,21 @@ class Args:
     run_dir: str = "runs"  # parent folder of run folders
     resume: str | None = None  # checkpoint.npz to continue from (envs start afresh)
     distributed: bool = False  # call jax.distributed.initialize() (multi-host)
-    coordinator_address: str | None = None  # host:port of process 0 (JAX finds it on SLURM, Cloud TPU, Kubernetes)
+    coordinator_address: str | None = None  # host:port of process 0 (found on SLURM, Cloud TPU, Kubernetes)
     num_processes: int | None = None  # number of processes (multi-host)
     process_id: int | None = None  # this process's index (multi-host)
-    peer_timeout: int = 300  # seconds to wait for all processes to join
+    peer_timeout: int = 300  # seconds to wait for all processes
 
 
-# For flags left at None. Images: the IMPALA paper's (appendix G). Vectors: RMSProp moves a weight about one step
-# size an update and CartPole's values reach ~100: large steps, many.
+# For flags left at None. Images: the IMPALA paper's (appendix G). Vectors: large steps, many, as RMSProp moves a
+# weight ~one step size an update and CartPole's values reach ~100.
 DEFAULTS = {"image": dict(total_timesteps=10_000_000, learning_rate=6e-4, num_steps=20, rmsprop_eps=0.01,
                           network="deep", log_every=10),
             "vector": dict(total_timesteps=300_000, learning_rate=5e-3, num_steps=16, rmsprop_eps=1e-5,
                            network="mlp", log_every=40)}
 
 
-# ---- The environment: envpool or gymnasium, stepped on the host
+# ---- The environment: envpool or gymnasium on the host
 
 def atari_kwargs(machado):
     """The IMPALA and PPO papers' Atari protocol, or --machado's."""
@@ -147,7 +147,7 @@ def env_spaces(env_id, machado):
     return probe.observation_space, probe.action_space, "gymnasium", False
 
 
-@cache  # check_args and each make_envs ask: one probe per run
+@cache  # one probe per run
 def describe_env(env_id, machado):
     obs_space, act_space, source, atari = env_spaces(env_id, machado)
     if machado and not atari:
@@ -157,7 +157,7 @@ def describe_env(env_id, machado):
     if not isinstance(obs_space, gym.spaces.Box) or len(obs_space.shape) not in (1, 3):
         fail(f"--env-id {env_id!r} needs a vector or image observation space, not {obs_space}")
     shape = obs_space.shape
-    if source == "gymnasium" and len(shape) == 3:  # gymnasium images are [H, W, C]
+    if source == "gymnasium" and len(shape) == 3:  # [H, W, C]
         shape = (shape[2], shape[0], shape[1])
     return EnvInfo(obs_shape=tuple(shape), num_actions=int(act_space.n), source=source, atari=atari)
 
@@ -166,13 +166,13 @@ class Step(NamedTuple):
     obs: np.ndarray  # [E, *obs_shape]
     reward: np.ndarray  # [E] (Atari: clipped to [-1, 1])
     terminated: np.ndarray  # [E] no bootstrap (Atari: a life lost too)
-    ended: np.ndarray  # [E] terminated or truncated: the next step resets
+    ended: np.ndarray  # [E] the next step resets
     score: np.ndarray  # [E] (Atari: unclipped)
     game_over: np.ndarray  # [E] (Atari: the last life lost) or truncated
 
 
-class Envs(NamedTuple):  # one batch of envs, stepped together
-    pool: object  # an envpool batch or a gymnasium vector env
+class Envs(NamedTuple):  # a batch of envs stepped together
+    pool: object  # envpool's or gymnasium's vector env
     env_info: EnvInfo
     seed: int
 
@@ -203,7 +203,7 @@ def env_reset(envs):
 
 
 def env_send(envs, actions):
-    """Start the envs' step in envpool's threads; env_step(..., sent=True) collects it."""
+    """Start a step in envpool's threads; env_step(..., sent=True) collects it."""
     if envs.env_info.source == "envpool":
         envs.pool.send(actions)
 
@@ -237,7 +237,7 @@ def conv_init(key, c_in, c_out, size=3):
 
 
 def init_params(key, obs_shape, num_actions, network):
-    keys, torso = iter(jax.random.split(key, 32)), {}  # one a layer, in order (the i-th is the same for any count)
+    keys, torso = iter(jax.random.split(key, 32)), {}  # one a layer: the i-th is the same for any count
     if network == "mlp":
         for head in ("policy", "value"):  # unshared: value errors would swamp the policy
             torso[f"{head}0"] = dense_init(next(keys), obs_shape[0], 64, np.sqrt(2))
@@ -320,8 +320,8 @@ class VTrace(NamedTuple):
 def vtrace(values, rewards, discounts, rhos, valid, lambda_):
     """V-trace targets by the paper's recursion v_s - V(x_s) = delta_s + gamma_s c_s (v_{s+1} - V(x_{s+1})).
 
-    values [T+1, E], the rest [T, E]. discounts are 0 where an episode terminated; a truncation keeps gamma and
-    bootstraps from its final observation x_{t+1}. A reset step (valid 0) adds nothing and cuts the trace."""
+    values [T+1, E], the rest [T, E]. discounts are 0 after a termination; a truncation bootstraps from its final
+    observation x_{t+1}. A reset step (valid 0) adds nothing and cuts the trace."""
     clipped_rhos = jnp.minimum(1.0, rhos)
     cs = lambda_ * clipped_rhos
     deltas = valid * clipped_rhos * (rewards + discounts * values[1:] - values[:-1])
@@ -383,12 +383,12 @@ class ActorState(NamedTuple):  # carried from step to step
     obs: np.ndarray  # [E, *obs_shape] to act on
     key: jax.Array  # on the actor device
     ended: np.ndarray  # [E] obs ends an episode: the next step resets
-    game_return: np.ndarray  # [E] of the game in progress (Atari: unclipped)
+    game_return: np.ndarray  # [E] (Atari: unclipped)
     game_length: np.ndarray  # [E] its agent steps
 
 
 class ActorStats(NamedTuple):  # sent with each rollout
-    returns: list  # of the whole games that ended
+    returns: list  # of the games that ended
     lengths: list
     lag: int  # updates between the acting parameters and the learner's
     seconds: dict  # timings of the rollout
@@ -496,7 +496,6 @@ class Shared(NamedTuple):  # what this host's actor threads and learner loop sha
 
 
 def actor_loop(args, shared, i):
-    """Actor thread i of this host."""
     device = shared.layout.actor_devices[i // args.num_actor_threads]
     index = jax.process_index() * len(shared.queues) + i  # among all hosts' threads
     groups, states = start_groups(args, index, device, shared.start_update)
@@ -563,8 +562,8 @@ def learner_update(state, rollout, args, optimizer):
 
 def make_update(args, mesh, num_updates):
     body = partial(learner_update, args=args, optimizer=make_optimizer(args, num_updates))
-    # check_vma=False: the body sums the devices' gradients itself; with the check on, JAX would already
-    # have summed those of the replicated (P()) parameters.
+    # check_vma=False: the body psums the gradients itself; with the check, JAX would already have summed
+    # those of the replicated (P()) parameters.
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P(None, "devices")), out_specs=(P(), P()),
                                  check_vma=False))
 
@@ -667,7 +666,7 @@ def checkpoint(args, shared, state, update, last=False):
 
 
 def initial_state(args, env_info, layout, batch):
-    """The TrainState on every learner device, fresh or --resume's, and the update it starts after."""
+    """The replicated TrainState, fresh or --resume's, and the update it starts after."""
     init = partial(init_state, jax.random.PRNGKey(args.seed), args, env_info, args.total_timesteps // batch)
     template = {"state": jax.eval_shape(init), "update": np.int64(0), "global_step": np.int64(0)}
     ckpt = load(args, template, batch, "a checkpoint of sebulba_impala.py?") if args.resume else None
@@ -725,7 +724,7 @@ def check_args(args):
 
 
 def check_sizes(args, layout, env_info):
-    """Counts that must divide or fit; returns the steps of one update."""
+    """Counts that must divide or fit; returns the steps per update."""
     n_learners = len(layout.learner_devices)
     if args.local_num_envs % n_learners:
         fail(f"--local-num-envs {args.local_num_envs} must divide evenly across {n_learners} learner devices")

@@ -9,8 +9,7 @@
                                         (device_put, bounded queue)  GAE, then epochs x minibatches
                                                                      of PPO, grads psum'd over all
                                    <------------------------------  new params (one update later)
-    Actors act with parameters at most one update old (stats/param_lag); decoupled PPO (Hilton et al. 2021)
-    learns from the samples the lag puts outside PPO's clip window.
+    Actors act with parameters at most one update old (stats/param_lag); decoupled PPO corrects for the lag.
 
     python sebulba_ppo_atari.py --env-id Breakout-v5
     python sebulba_ppo_atari.py --env-id Pong-v5 --actor-device-ids 0 --learner-device-ids 1 2 3
@@ -76,7 +75,7 @@ class Args:
     actor_device_ids: list[int] | None = None  # local device indices that act (default: 0)
     learner_device_ids: list[int] | None = None  # local device indices that learn (default: the others, else 0)
     num_actor_threads: int = 2  # per actor device: one steps envs while another acts
-    local_num_envs: int = 16  # envs per actor thread (one policy call per step)
+    local_num_envs: int = 16  # envs per actor thread
     async_envs: bool = False  # step half the envs while acting for the other half
     num_steps: int = 128  # rollout length per env per update
     gamma: float = 0.99  # discount
@@ -96,13 +95,13 @@ class Args:
     run_dir: str = "runs"  # parent folder of run folders
     resume: str | None = None  # checkpoint.npz to continue from (envs start afresh)
     distributed: bool = False  # call jax.distributed.initialize() (multi-host)
-    coordinator_address: str | None = None  # host:port of process 0 (JAX finds it on SLURM, Cloud TPU, Kubernetes)
+    coordinator_address: str | None = None  # host:port of process 0 (found on SLURM, Cloud TPU, Kubernetes)
     num_processes: int | None = None  # number of processes (multi-host)
     process_id: int | None = None  # this process's index (multi-host)
-    peer_timeout: int = 300  # seconds to wait for all processes to join
+    peer_timeout: int = 300  # seconds to wait for all processes
 
 
-# ---- The environment: envpool or gymnasium, stepped on the host
+# ---- The environment: envpool or gymnasium on the host
 
 def atari_kwargs(machado):
     """The IMPALA and PPO papers' Atari protocol, or --machado's."""
@@ -138,7 +137,7 @@ def env_spaces(env_id, machado):
     return probe.observation_space, probe.action_space, "gymnasium", False
 
 
-@cache  # check_args and each make_envs ask: one probe per run
+@cache  # one probe per run
 def describe_env(env_id, machado):
     obs_space, act_space, source, atari = env_spaces(env_id, machado)
     if machado and not atari:
@@ -148,7 +147,7 @@ def describe_env(env_id, machado):
     if not isinstance(obs_space, gym.spaces.Box) or len(obs_space.shape) != 3:
         fail(f"--env-id {env_id!r} needs image observations, not {obs_space} (vectors: sebulba_impala.py)")
     shape = obs_space.shape
-    if source == "gymnasium" and len(shape) == 3:  # gymnasium images are [H, W, C]
+    if source == "gymnasium" and len(shape) == 3:  # [H, W, C]
         shape = (shape[2], shape[0], shape[1])
     return EnvInfo(obs_shape=tuple(shape), num_actions=int(act_space.n), source=source, atari=atari)
 
@@ -157,13 +156,13 @@ class Step(NamedTuple):
     obs: np.ndarray  # [E, *obs_shape]
     reward: np.ndarray  # [E] (Atari: clipped to [-1, 1])
     terminated: np.ndarray  # [E] no bootstrap (Atari: a life lost too)
-    ended: np.ndarray  # [E] terminated or truncated: the next step resets
+    ended: np.ndarray  # [E] the next step resets
     score: np.ndarray  # [E] (Atari: unclipped)
     game_over: np.ndarray  # [E] (Atari: the last life lost) or truncated
 
 
-class Envs(NamedTuple):  # one batch of envs, stepped together
-    pool: object  # an envpool batch or a gymnasium vector env
+class Envs(NamedTuple):  # a batch of envs stepped together
+    pool: object  # envpool's or gymnasium's vector env
     env_info: EnvInfo
     seed: int
 
@@ -194,7 +193,7 @@ def env_reset(envs):
 
 
 def env_send(envs, actions):
-    """Start the envs' step in envpool's threads; env_step(..., sent=True) collects it."""
+    """Start a step in envpool's threads; env_step(..., sent=True) collects it."""
     if envs.env_info.source == "envpool":
         envs.pool.send(actions)
 
@@ -215,12 +214,12 @@ def env_step(envs, actions, sent=False):
 
 # ---- The network: a CNN, a hidden layer, two heads; PPO's orthogonal init
 
-# The (channels, kernel, stride) of each "VALID" conv, and the hidden layer's width.
+# (channels, kernel, stride) of each "VALID" conv, and the hidden width
 NATURE = ((32, 8, 4), (64, 4, 2), (64, 3, 1)), 512  # Nature DQN (Mnih et al. 2015), for 84x84 frames
-MINATAR = ((16, 3, 1),), 128  # the MinAtar paper's (Young and Tian 2019), for its 10x10 images
+MINATAR = ((16, 3, 1),), 128  # MinAtar's (Young and Tian 2019), for 10x10 images
 
 
-def layers(obs_shape):  # [C, H, W] -> the network that fits it: the Nature CNN needs 36x36 or more
+def layers(obs_shape):  # the Nature CNN needs 36x36 or more
     return NATURE if min(obs_shape[1:]) >= 36 else MINATAR
 
 
@@ -234,7 +233,7 @@ def conv_init(key, c_in, c_out, size):
 
 def init_params(key, obs_shape, num_actions):
     convs, hidden = layers(obs_shape)
-    keys, torso = iter(jax.random.split(key, 32)), {}  # one a layer, in order (the i-th is the same for any count)
+    keys, torso = iter(jax.random.split(key, 32)), {}  # one a layer: the i-th is the same for any count
     c_in, (h, w) = obs_shape[0], obs_shape[1:]
     for i, (c, size, stride) in enumerate(convs):
         torso[f"conv{i}"] = conv_init(next(keys), c_in, c, size)
@@ -276,13 +275,11 @@ def entropy(logits):
     return -(jnp.exp(logp) * logp).sum(-1)
 
 
-# ---- The loss: GAE (Schulman et al. 2016) and PPO's clipped objective (2017), decoupled
+# ---- The loss: GAE (2016) and PPO's clipped objective (2017), decoupled
 
 def gae(rewards, values, terminated, dones, gamma, lam):
-    """Advantages [T, E]; values [T + 1, E], the rest [T, E].
-
-    values[t + 1] is V of step t's observation, after a truncation the final one (envpool resets on the next
-    step): a truncation bootstraps from it, only `terminated` zeroes it. `dones` cuts the recursion at an end."""
+    """Advantages [T, E]; values [T + 1, E], the rest [T, E]. A truncation bootstraps from V of its final
+    observation (envpool resets on the next step); `dones` cuts the recursion at an end."""
     deltas = rewards + gamma * values[1:] * (1.0 - terminated) - values[:-1]
 
     def backward(next_adv, x):
@@ -295,7 +292,7 @@ def gae(rewards, values, terminated, dones, gamma, lam):
 
 
 def normalize(advantages, mask, axis_name):
-    """Zero mean, unit std over the valid samples of the minibatch on every learner."""
+    """Zero mean, unit std over the minibatch's valid samples on all learners."""
     n = jax.lax.psum(mask.sum(), axis_name)
     mean = jax.lax.psum((advantages * mask).sum(), axis_name) / n
     var = jax.lax.psum((((advantages - mean) ** 2) * mask).sum(), axis_name) / n
@@ -308,22 +305,22 @@ def clipped_surrogate(ratio, advantages, clip):
 
 
 def decoupled_surrogate(logp, prox_logp, behaviour_logp, advantages, clip):
-    """Per-sample decoupled PPO policy loss (Hilton et al. 2021): the ratio is clipped around pi_prox (the
-    learner's parameters at the update's start) and pi_prox / mu reweights the actor's samples (mu, up to one
-    update older). With pi_prox == mu it is PPO's. The weight stays unclipped, as in the paper (clipping biases
-    the update toward mu); one update apart it is near 1, and the gradient clip bounds an outlier."""
+    """Per-sample decoupled PPO policy loss (Hilton et al. 2021): the ratio is clipped around pi_prox, the
+    learner's parameters at the update's start, and pi_prox / mu reweights the actor's samples. The weight stays
+    unclipped, as in the paper (clipping biases toward mu): one update apart it is near 1, and the gradient
+    clip bounds an outlier."""
     weight = jax.lax.stop_gradient(jnp.exp(prox_logp - behaviour_logp))
     ratio = jnp.exp(logp - jax.lax.stop_gradient(prox_logp))
     return weight * clipped_surrogate(ratio, advantages, clip)
 
 
 def clipped_value_loss(values, old_values, returns, clip):
-    """Per-sample value loss, with the value update clipped around the acting-time value."""
+    """Per-sample value loss, clipped around the acting-time value."""
     clipped = old_values + jnp.clip(values - old_values, -clip, clip)
     return 0.5 * jnp.maximum((values - returns) ** 2, (clipped - returns) ** 2)
 
 
-class Samples(NamedTuple):  # flattened [N] learning samples on one learner
+class Samples(NamedTuple):  # [N] samples on one learner
     obs: jax.Array  # [N, *obs_shape]
     actions: jax.Array
     logprobs: jax.Array  # log mu
@@ -340,7 +337,7 @@ class Losses(NamedTuple):
     entropy: jax.Array
     approx_kl: jax.Array  # of pi from pi_prox
     clipfrac: jax.Array  # pi / pi_prox outside the clip window
-    # pi / mu outside the window in an update's first minibatch: the lag's samples plain PPO would not learn from
+    # pi / mu outside the window at an update's start: what plain PPO would not learn from
     clipfrac_first: jax.Array
 
 
@@ -379,7 +376,7 @@ class Rollout(NamedTuple):  # --num-steps steps of E envs
     obs: np.ndarray  # [T, E, *obs_shape]
     actions: np.ndarray  # [T, E]
     logprobs: np.ndarray  # [T, E] of the behaviour policy mu
-    values: np.ndarray  # [T + 1, E], the last one V of the bootstrap observation
+    values: np.ndarray  # [T + 1, E]; the last bootstraps
     rewards: np.ndarray  # [T, E]
     terminated: np.ndarray  # [T, E] 1.0: no bootstrap after step t
     dones: np.ndarray  # [T, E] terminated or truncated
@@ -390,12 +387,12 @@ class ActorState(NamedTuple):  # carried from step to step
     obs: np.ndarray  # [E, *obs_shape] to act on
     key: jax.Array  # on the actor device
     ended: np.ndarray  # [E] obs ends an episode: the next step resets
-    game_return: np.ndarray  # [E] of the game in progress (Atari: unclipped)
+    game_return: np.ndarray  # [E] (Atari: unclipped)
     game_length: np.ndarray  # [E] its agent steps
 
 
 class ActorStats(NamedTuple):  # sent with each rollout
-    returns: list  # of the whole games that ended
+    returns: list  # of the games that ended
     lengths: list
     lag: int  # updates between the acting parameters and the learner's
     seconds: dict  # timings of the rollout
@@ -507,7 +504,6 @@ class Shared(NamedTuple):  # what this host's actor threads and learner loop sha
 
 
 def actor_loop(args, shared, i):
-    """Actor thread i of this host."""
     device = shared.layout.actor_devices[i // args.num_actor_threads]
     index = jax.process_index() * len(shared.queues) + i  # among all hosts' threads
     groups, states = start_groups(args, index, device, shared.start_update)
@@ -551,7 +547,7 @@ def learning_rate(args, num_updates, update):  # update 0 is the first
 
 
 def make_optimizer(args, num_updates):
-    """Adam with global-norm clipping; its learning rate steps down once per update, not per step."""
+    """Adam; its learning rate steps down once per update, not per step."""
     steps_per_update = args.update_epochs * args.num_minibatches
     lr = lambda count: learning_rate(args, num_updates, count // steps_per_update)
     return optax.chain(optax.clip_by_global_norm(args.max_grad_norm), optax.adam(lr, eps=1e-5))
@@ -564,7 +560,7 @@ def init_state(key, args, env_info, num_updates):
 
 
 def prox_log_probs(params, samples, chunks):
-    """log pi_prox(a | s) of every sample at the update's start, in `chunks` pieces: no more memory than a minibatch."""
+    """log pi_prox of every sample at the update's start, in `chunks` pieces to bound memory."""
     split = lambda x: x.reshape(chunks, -1, *x.shape[1:])
     logp = jax.lax.map(lambda c: log_prob(apply(params, c[0])[0], c[1]), (split(samples.obs), split(samples.actions)))
     return logp.reshape(-1)
@@ -599,8 +595,8 @@ def learner_update(state, rollout, args, optimizer):
 
 def make_update(args, mesh, num_updates):
     body = partial(learner_update, args=args, optimizer=make_optimizer(args, num_updates))
-    # check_vma=False: the body sums the devices' gradients itself; with the check on, JAX would already
-    # have summed those of the replicated (P()) parameters.
+    # check_vma=False: the body psums the gradients itself; with the check, JAX would already have summed
+    # those of the replicated (P()) parameters.
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P(None, "devices")), out_specs=(P(), P()),
                                  check_vma=False))
 
@@ -703,7 +699,7 @@ def checkpoint(args, shared, state, update, last=False):
 
 
 def initial_state(args, env_info, layout, batch):
-    """The TrainState on every learner device, fresh or --resume's, and the update it starts after."""
+    """The replicated TrainState, fresh or --resume's, and the update it starts after."""
     init = partial(init_state, jax.random.PRNGKey(args.seed), args, env_info, args.total_timesteps // batch)
     template = {"state": jax.eval_shape(init), "update": np.int64(0), "global_step": np.int64(0)}
     ckpt = load(args, template, batch, "a checkpoint of sebulba_ppo_atari.py?") if args.resume else None
@@ -752,7 +748,7 @@ def check_args(args):
 
 
 def check_sizes(args, layout, env_info):
-    """Counts that must divide or fit; returns the steps of one update."""
+    """Counts that must divide or fit; returns the steps per update."""
     n_learners = len(layout.learner_devices)
     if args.local_num_envs % n_learners:
         fail(f"--local-num-envs {args.local_num_envs} must divide evenly across {n_learners} learner devices")
