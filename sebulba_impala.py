@@ -129,7 +129,6 @@ class EnvInfo(NamedTuple):
 
 
 def env_spaces(env_id, machado):
-    """An envpool id's spaces, else a gymnasium id's (`module:Name-v0`)."""
     if env_id in envpool.list_all_envs():
         atari = hasattr(envpool.make_spec(env_id).config, "episodic_life")
         spec = envpool.make_spec(env_id, **(atari_kwargs(machado) if atari else {}))
@@ -191,7 +190,6 @@ def make_envs(args, num_envs, seed):
 
 
 def host_obs(obs, env_info):
-    """gymnasium images -> envpool's [E, C, H, W]; float64 -> float32."""
     if env_info.source == "gymnasium" and obs.ndim == 4:
         obs = np.moveaxis(obs, -1, 1)
     return obs.astype(np.float32) if obs.dtype == np.float64 else obs
@@ -222,9 +220,9 @@ def env_step(envs, actions, sent=False):
                 ended=terminated | truncated, score=score, game_over=game_over)
 
 
-# ---- The network: IMPALA's figure 3 CNNs without the LSTM, or an MLP
+# ---- The network: IMPALA's figure 3 CNNs (no LSTM) or an MLP
 
-IMPALA_CHANNELS = (16, 32, 32)  # deep: three stacks of a conv, a max-pool and two residual blocks
+IMPALA_CHANNELS = (16, 32, 32)  # deep: three stacks of a conv, a max-pool, two residual blocks
 SHALLOW_CONVS = ((16, 8, 4), (32, 4, 2))  # shallow: (channels, kernel, stride), "VALID" padding
 
 
@@ -269,12 +267,12 @@ def conv(p, x, stride=1, padding="SAME"):  # x [N, H, W, C]
                                         dimension_numbers=("NHWC", "HWIO", "NHWC")) + p["b"]
 
 
-def image_input(obs):  # [N, C, H, W] -> [N, H, W, C] float; uint8 frames to [0, 1]
+def image_input(obs):  # [N, C, H, W] -> [N, H, W, C] float, uint8 scaled to [0, 1]
     x = jnp.transpose(obs, (0, 2, 3, 1)).astype(jnp.float32)
     return x / 255.0 if obs.dtype == jnp.uint8 else x
 
 
-def features(p, obs, network):  # obs [N, *obs_shape] -> policy and value features [N, 256] (mlp: [N, 64])
+def features(p, obs, network):  # -> policy and value features [N, 256] (mlp: [N, 64])
     if network == "mlp":
         return [jnp.tanh(dense(p[f"{head}1"], jnp.tanh(dense(p[f"{head}0"], obs)))) for head in ("policy", "value")]
     x = image_input(obs)
@@ -390,7 +388,7 @@ class ActorState(NamedTuple):  # carried from step to step
 class ActorStats(NamedTuple):  # sent with each rollout
     returns: list  # of the games that ended
     lengths: list
-    lag: int  # updates between the acting parameters and the learner's
+    lag: int  # updates behind the learner's parameters
     seconds: dict  # timings of the rollout
 
 
@@ -419,7 +417,7 @@ def collect(args, groups, params, states, stats):
             if t < args.num_steps:
                 with timer(stats.seconds, "inference_time"):
                     actions, logits, key = act(params, states[g].obs, states[g].key, args.network)
-                    actions = np.asarray(actions)  # the logits stay on the actor device until the end
+                    actions = np.asarray(actions)  # the logits: fetched once, at the end
                 env_send(envs, actions)
                 steps[g].append(dict(obs=states[g].obs, actions=actions, logits=logits))
                 states[g] = states[g]._replace(key=key)
@@ -482,7 +480,7 @@ class ParamStore:
             return self.version, self.params
 
 
-class Shared(NamedTuple):  # what this host's actor threads and learner loop share
+class Shared(NamedTuple):  # among this host's threads
     layout: "Layout"
     store: ParamStore
     queues: list  # one bounded queue of rollouts per actor thread
@@ -490,7 +488,7 @@ class Shared(NamedTuple):  # what this host's actor threads and learner loop sha
     errors: list  # the failed threads' tracebacks
     caught: list  # stop signals (catch_stop_signals)
     run: "Run"
-    start_update: int  # the update this run starts after (a resumed run's)
+    start_update: int  # the update resumed after (else 0)
     num_updates: int
     batch: int  # steps per update
 
@@ -553,7 +551,7 @@ def init_state(key, args, env_info, num_updates):
 def learner_update(state, rollout, args, optimizer):
     """One IMPALA update on this learner's share [T, E_l, ...] of the rollouts (inside shard_map)."""
     grads, losses = jax.grad(impala_loss, has_aux=True)(state.params, rollout, args)
-    # Each learner's sum -> the global batch's; the losses are logged per valid step.
+    # The learners' sums add up; losses are logged per valid step.
     grads, losses, num_valid = jax.lax.psum((grads, losses, rollout.valid.sum()), "devices")
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     losses = jax.tree.map(lambda x: x / jnp.maximum(num_valid, 1.0), losses)
@@ -573,7 +571,7 @@ def make_update(args, mesh, num_updates):
 class Layout(NamedTuple):
     actor_devices: list  # this host's
     learner_devices: list  # this host's, in mesh order
-    mesh: Mesh  # the learner devices of every host, one axis "devices"
+    mesh: Mesh  # every host's learner devices, one axis "devices"
     num_envs: int  # of all hosts
 
 
@@ -621,7 +619,7 @@ def local(tree):
     return jax.tree.map(lambda x: x.addressable_shards[0].data, tree)
 
 
-# ---- The learner loop (main thread): rollouts in, updates, parameters out
+# ---- The learner loop (main thread)
 
 def receive(shared):
     """Every local actor thread's (rollout parts, ActorStats); None once a stop signal is caught."""
@@ -639,7 +637,7 @@ def learn(args, shared, state):
         seconds = defaultdict(float)
         with timer(seconds, "learner_queue_wait"):
             received = receive(shared)
-        checkpoint(args, shared, state, update - 1)  # the safe point between updates: may exit
+        checkpoint(args, shared, state, update - 1)  # the safe point: may exit
         with timer(seconds, "learner_time"):
             state, losses = update_fn(state, assemble([parts for parts, _ in received], shared.layout))
             shared.store.publish(update, state.params)
@@ -655,7 +653,7 @@ def learn(args, shared, state):
 
 
 def checkpoint(args, shared, state, update, last=False):
-    """The safe point after `update`: a checkpoint when due or `last`; on a stop signal in any process, one and exit."""
+    """After `update`: a checkpoint when due or `last`; on a stop signal in any process, one and exit."""
     def write():  # process 0 alone fetches: the others would only pay the transfer
         if shared.run.checkpoint is not None:
             save(shared.run, {"state": jax.device_get(local(state)), "update": np.int64(update),
@@ -686,7 +684,6 @@ class Window(NamedTuple):  # since the last metrics row
 
 
 def report(args, shared, window, update, start):
-    """The window's means (the lag's largest) as a logged metrics row."""
     mean = lambda xs: float(np.mean(xs))
     row = {"global_step": update * shared.batch, "update": update,
            "charts/SPS": len(window.losses) * shared.batch / (time.perf_counter() - window.start),
@@ -706,7 +703,7 @@ def report(args, shared, window, update, start):
 # ---- This script's flags
 
 def check_args(args):
-    """Flag checks; returns the args, their defaults filled in, and the EnvInfo."""
+    """Returns the args, defaults filled in, and the EnvInfo."""
     env_info = describe_env(args.env_id, args.machado)
     image = len(env_info.obs_shape) == 3
     if args.network is None and image and not args.distributed and jax.default_backend() == "cpu":
@@ -767,7 +764,7 @@ def main(args):
     except Stopped:  # an actor thread failed
         exit_now(1, run, "".join(shared.errors).rstrip())
     finally:
-        shared.stop.set()  # the actor threads end
+        shared.stop.set()
     for t in threads:
         t.join(timeout=10)
     checkpoint(args, shared, state, num_updates, last=True)

@@ -79,7 +79,7 @@ class Args:
     async_envs: bool = False  # step half the envs while acting for the other half
     num_steps: int = 128  # rollout length per env per update
     gamma: float = 0.99  # discount
-    gae_lambda: float = 0.95  # lambda of generalised advantage estimation
+    gae_lambda: float = 0.95  # GAE's lambda
     num_minibatches: int = 4  # minibatches per epoch (one gradient step each)
     update_epochs: int = 4  # passes over each rollout
     clip_coef: float = 0.1  # PPO ratio clipping (also clips the value update)
@@ -119,7 +119,6 @@ class EnvInfo(NamedTuple):
 
 
 def env_spaces(env_id, machado):
-    """An envpool id's spaces, else a gymnasium id's (`module:Name-v0`)."""
     if env_id in envpool.list_all_envs():
         atari = hasattr(envpool.make_spec(env_id).config, "episodic_life")
         spec = envpool.make_spec(env_id, **(atari_kwargs(machado) if atari else {}))
@@ -181,7 +180,6 @@ def make_envs(args, num_envs, seed):
 
 
 def host_obs(obs, env_info):
-    """gymnasium images -> envpool's [E, C, H, W]; float64 -> float32."""
     if env_info.source == "gymnasium" and obs.ndim == 4:
         obs = np.moveaxis(obs, -1, 1)
     return obs.astype(np.float32) if obs.dtype == np.float64 else obs
@@ -212,7 +210,7 @@ def env_step(envs, actions, sent=False):
                 ended=terminated | truncated, score=score, game_over=game_over)
 
 
-# ---- The network: a CNN, a hidden layer, two heads; PPO's orthogonal init
+# ---- The network: a CNN and two heads, PPO's orthogonal init
 
 # (channels, kernel, stride) of each "VALID" conv, and the hidden width
 NATURE = ((32, 8, 4), (64, 4, 2), (64, 3, 1)), 512  # Nature DQN (Mnih et al. 2015), for 84x84 frames
@@ -252,7 +250,7 @@ def conv(p, x, stride=1, padding="SAME"):  # x [N, H, W, C]
                                         dimension_numbers=("NHWC", "HWIO", "NHWC")) + p["b"]
 
 
-def image_input(obs):  # [N, C, H, W] -> [N, H, W, C] float; uint8 frames to [0, 1]
+def image_input(obs):  # [N, C, H, W] -> [N, H, W, C] float, uint8 scaled to [0, 1]
     x = jnp.transpose(obs, (0, 2, 3, 1)).astype(jnp.float32)
     return x / 255.0 if obs.dtype == jnp.uint8 else x
 
@@ -278,8 +276,8 @@ def entropy(logits):
 # ---- The loss: GAE (2016) and PPO's clipped objective (2017), decoupled
 
 def gae(rewards, values, terminated, dones, gamma, lam):
-    """Advantages [T, E]; values [T + 1, E], the rest [T, E]. A truncation bootstraps from V of its final
-    observation (envpool resets on the next step); `dones` cuts the recursion at an end."""
+    """Advantages [T, E]; values [T + 1, E]. A truncation bootstraps from V of its final observation (envpool
+    resets on the next step); `dones` cuts the recursion."""
     deltas = rewards + gamma * values[1:] * (1.0 - terminated) - values[:-1]
 
     def backward(next_adv, x):
@@ -292,7 +290,7 @@ def gae(rewards, values, terminated, dones, gamma, lam):
 
 
 def normalize(advantages, mask, axis_name):
-    """Zero mean, unit std over the minibatch's valid samples on all learners."""
+    """Zero mean, unit std over the valid samples of all learners."""
     n = jax.lax.psum(mask.sum(), axis_name)
     mean = jax.lax.psum((advantages * mask).sum(), axis_name) / n
     var = jax.lax.psum((((advantages - mean) ** 2) * mask).sum(), axis_name) / n
@@ -305,10 +303,9 @@ def clipped_surrogate(ratio, advantages, clip):
 
 
 def decoupled_surrogate(logp, prox_logp, behaviour_logp, advantages, clip):
-    """Per-sample decoupled PPO policy loss (Hilton et al. 2021): the ratio is clipped around pi_prox, the
-    learner's parameters at the update's start, and pi_prox / mu reweights the actor's samples. The weight stays
-    unclipped, as in the paper (clipping biases toward mu): one update apart it is near 1, and the gradient
-    clip bounds an outlier."""
+    """Decoupled PPO (Hilton et al. 2021): the ratio is clipped around pi_prox (the parameters at the update's
+    start), and pi_prox / mu, unclipped as in the paper (clipping biases toward mu), reweights the samples: near 1
+    one update apart, and the gradient clip bounds an outlier."""
     weight = jax.lax.stop_gradient(jnp.exp(prox_logp - behaviour_logp))
     ratio = jnp.exp(logp - jax.lax.stop_gradient(prox_logp))
     return weight * clipped_surrogate(ratio, advantages, clip)
@@ -327,8 +324,8 @@ class Samples(NamedTuple):  # [N] samples on one learner
     values: jax.Array  # acting-time values
     advantages: jax.Array
     returns: jax.Array
-    mask: jax.Array  # 0 on reset steps, whose action did nothing
-    prox_logprobs: jax.Array | None = None  # log pi_prox, filled in by learner_update
+    mask: jax.Array  # 0 on reset steps
+    prox_logprobs: jax.Array | None = None  # log pi_prox, set by learner_update
 
 
 class Losses(NamedTuple):
@@ -337,12 +334,11 @@ class Losses(NamedTuple):
     entropy: jax.Array
     approx_kl: jax.Array  # of pi from pi_prox
     clipfrac: jax.Array  # pi / pi_prox outside the clip window
-    # pi / mu outside the window at an update's start: what plain PPO would not learn from
-    clipfrac_first: jax.Array
+    clipfrac_first: jax.Array  # pi / mu outside it at an update's start: what plain PPO would not learn from
 
 
 def ppo_loss(params, mb, args, axis_name):
-    """This learner's share of the global minibatch's mean PPO loss (psum over learners = mean)."""
+    """This learner's share of the minibatch's mean PPO loss (the psum is the mean)."""
     logits, values = apply(params, mb.obs)
     logp = log_prob(logits, mb.actions)
     log_ratio = logp - mb.prox_logprobs
@@ -394,7 +390,7 @@ class ActorState(NamedTuple):  # carried from step to step
 class ActorStats(NamedTuple):  # sent with each rollout
     returns: list  # of the games that ended
     lengths: list
-    lag: int  # updates between the acting parameters and the learner's
+    lag: int  # updates behind the learner's parameters
     seconds: dict  # timings of the rollout
 
 
@@ -423,7 +419,7 @@ def collect(args, groups, params, states, stats):
             if t < args.num_steps:
                 with timer(stats.seconds, "inference_time"):
                     actions, logprobs, values, key = act(params, states[g].obs, states[g].key)
-                    actions = np.asarray(actions)  # the rest stays on the actor device until the end
+                    actions = np.asarray(actions)  # the rest: fetched once, at the end
                 env_send(envs, actions)
                 steps[g].append(dict(obs=states[g].obs, actions=actions, logprobs=logprobs, values=values))
                 states[g] = states[g]._replace(key=key)
@@ -490,7 +486,7 @@ class ParamStore:
             return self.version, self.params
 
 
-class Shared(NamedTuple):  # what this host's actor threads and learner loop share
+class Shared(NamedTuple):  # among this host's threads
     layout: "Layout"
     store: ParamStore
     queues: list  # one bounded queue of rollouts per actor thread
@@ -498,7 +494,7 @@ class Shared(NamedTuple):  # what this host's actor threads and learner loop sha
     errors: list  # the failed threads' tracebacks
     caught: list  # stop signals (catch_stop_signals)
     run: "Run"
-    start_update: int  # the update this run starts after (a resumed run's)
+    start_update: int  # the update resumed after (else 0)
     num_updates: int
     batch: int  # steps per update
 
@@ -560,7 +556,7 @@ def init_state(key, args, env_info, num_updates):
 
 
 def prox_log_probs(params, samples, chunks):
-    """log pi_prox of every sample at the update's start, in `chunks` pieces to bound memory."""
+    """log pi_prox of every sample, in `chunks` pieces to bound memory."""
     split = lambda x: x.reshape(chunks, -1, *x.shape[1:])
     logp = jax.lax.map(lambda c: log_prob(apply(params, c[0])[0], c[1]), (split(samples.obs), split(samples.actions)))
     return logp.reshape(-1)
@@ -606,7 +602,7 @@ def make_update(args, mesh, num_updates):
 class Layout(NamedTuple):
     actor_devices: list  # this host's
     learner_devices: list  # this host's, in mesh order
-    mesh: Mesh  # the learner devices of every host, one axis "devices"
+    mesh: Mesh  # every host's learner devices, one axis "devices"
     num_envs: int  # of all hosts
 
 
@@ -654,7 +650,7 @@ def local(tree):
     return jax.tree.map(lambda x: x.addressable_shards[0].data, tree)
 
 
-# ---- The learner loop (main thread): rollouts in, updates, parameters out
+# ---- The learner loop (main thread)
 
 def receive(shared):
     """Every local actor thread's (rollout parts, ActorStats); None once a stop signal is caught."""
@@ -672,7 +668,7 @@ def learn(args, shared, state):
         seconds = defaultdict(float)
         with timer(seconds, "learner_queue_wait"):
             received = receive(shared)
-        checkpoint(args, shared, state, update - 1)  # the safe point between updates: may exit
+        checkpoint(args, shared, state, update - 1)  # the safe point: may exit
         with timer(seconds, "learner_time"):
             state, losses = update_fn(state, assemble([parts for parts, _ in received], shared.layout))
             shared.store.publish(update, state.params)
@@ -688,7 +684,7 @@ def learn(args, shared, state):
 
 
 def checkpoint(args, shared, state, update, last=False):
-    """The safe point after `update`: a checkpoint when due or `last`; on a stop signal in any process, one and exit."""
+    """After `update`: a checkpoint when due or `last`; on a stop signal in any process, one and exit."""
     def write():  # process 0 alone fetches: the others would only pay the transfer
         if shared.run.checkpoint is not None:
             save(shared.run, {"state": jax.device_get(local(state)), "update": np.int64(update),
@@ -719,7 +715,6 @@ class Window(NamedTuple):  # since the last metrics row
 
 
 def report(args, shared, window, update, start):
-    """The window's means (the lag's largest) as a logged metrics row."""
     mean = lambda xs: float(np.mean(xs))
     row = {"global_step": update * shared.batch, "update": update,
            "charts/SPS": len(window.losses) * shared.batch / (time.perf_counter() - window.start),
@@ -739,7 +734,6 @@ def report(args, shared, window, update, start):
 # ---- This script's flags
 
 def check_args(args):
-    """Flag checks; returns the args and the EnvInfo."""
     env_info = describe_env(args.env_id, args.machado)
     check_flags(args, unit=("gamma", "gae_lambda"), positive=("learning_rate",))
     if min(env_info.obs_shape[1:]) < 3:
@@ -794,7 +788,7 @@ def main(args):
     except Stopped:  # an actor thread failed
         exit_now(1, run, "".join(shared.errors).rstrip())
     finally:
-        shared.stop.set()  # the actor threads end
+        shared.stop.set()
     for t in threads:
         t.join(timeout=10)
     checkpoint(args, shared, state, num_updates, last=True)
