@@ -382,7 +382,7 @@ class ActorState(NamedTuple):  # carried from step to step
     key: jax.Array  # on the actor device
     ended: np.ndarray  # [E] obs ends an episode: the next step resets
     game_return: np.ndarray  # [E] (Atari: unclipped)
-    game_length: np.ndarray  # [E] its agent steps
+    game_length: np.ndarray  # [E] agent steps
 
 
 class ActorStats(NamedTuple):  # sent with each rollout
@@ -622,7 +622,7 @@ def local(tree):
 # ---- The learner loop (main thread)
 
 def receive(shared):
-    """Every local actor thread's (rollout parts, ActorStats); None once a stop signal is caught."""
+    """Each local actor thread's (parts, ActorStats); None once a stop signal is caught."""
     with contextlib.suppress(Stopped):
         return [until_stopped(q.get, lambda: shared.stop.is_set() or bool(shared.caught)) for q in shared.queues]
     if shared.stop.is_set():  # an actor thread failed

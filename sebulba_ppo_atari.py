@@ -213,8 +213,8 @@ def env_step(envs, actions, sent=False):
 # ---- The network: a CNN and two heads, PPO's orthogonal init
 
 # (channels, kernel, stride) of each "VALID" conv, and the hidden width
-NATURE = ((32, 8, 4), (64, 4, 2), (64, 3, 1)), 512  # Nature DQN (Mnih et al. 2015), for 84x84 frames
-MINATAR = ((16, 3, 1),), 128  # MinAtar's (Young and Tian 2019), for 10x10 images
+NATURE = ((32, 8, 4), (64, 4, 2), (64, 3, 1)), 512  # Nature DQN's (Mnih et al. 2015)
+MINATAR = ((16, 3, 1),), 128  # MinAtar's (Young and Tian 2019)
 
 
 def layers(obs_shape):  # the Nature CNN needs 36x36 or more
@@ -298,7 +298,7 @@ def normalize(advantages, mask, axis_name):
 
 
 def clipped_surrogate(ratio, advantages, clip):
-    """Per-sample PPO policy loss: the pessimistic of the plain and clipped ratio terms."""
+    """PPO's per-sample policy loss: the pessimistic of the plain and clipped terms."""
     return jnp.maximum(-advantages * ratio, -advantages * jnp.clip(ratio, 1 - clip, 1 + clip))
 
 
@@ -384,7 +384,7 @@ class ActorState(NamedTuple):  # carried from step to step
     key: jax.Array  # on the actor device
     ended: np.ndarray  # [E] obs ends an episode: the next step resets
     game_return: np.ndarray  # [E] (Atari: unclipped)
-    game_length: np.ndarray  # [E] its agent steps
+    game_length: np.ndarray  # [E] agent steps
 
 
 class ActorStats(NamedTuple):  # sent with each rollout
@@ -573,7 +573,7 @@ def learner_update(state, rollout, args, optimizer):
     params, opt_state, key = state
     samples = samples._replace(prox_logprobs=prox_log_probs(params, samples, args.num_minibatches))
     losses = []
-    # Python loops, unrolled inside the jit: on XLA:CPU a conv gradient inside lax.scan runs far slower (jax 12868).
+    # Python loops, not lax.scan: on XLA:CPU a conv gradient in a scan runs far slower (jax 12868).
     for _ in range(args.update_epochs):
         key, sub = jax.random.split(key)
         order = jax.random.permutation(sub, samples.actions.shape[0]).reshape(args.num_minibatches, -1)
@@ -653,7 +653,7 @@ def local(tree):
 # ---- The learner loop (main thread)
 
 def receive(shared):
-    """Every local actor thread's (rollout parts, ActorStats); None once a stop signal is caught."""
+    """Each local actor thread's (parts, ActorStats); None once a stop signal is caught."""
     with contextlib.suppress(Stopped):
         return [until_stopped(q.get, lambda: shared.stop.is_set() or bool(shared.caught)) for q in shared.queues]
     if shared.stop.is_set():  # an actor thread failed
