@@ -428,7 +428,6 @@ def collect(args, groups, params, states, stats):
 
 
 def start_groups(args, index, device, start_update):
-    """Actor thread `index`'s env groups (two with --async-envs) and first ActorStates."""
     num_groups = 2 if args.async_envs else 1
     n = args.local_num_envs // num_groups
     groups, states = [], []
@@ -653,7 +652,7 @@ def learn(args, shared, state):
 
 
 def checkpoint(args, shared, state, update, last=False):
-    """After `update`: a checkpoint when due or `last`; on a stop signal in any process, one and exit."""
+    """The safe point after `update`: a checkpoint when due or `last`; on a stop signal in any process, one and exit."""
     def write():  # process 0 alone fetches: the others would only pay the transfer
         if shared.run.checkpoint is not None:
             save(shared.run, {"state": jax.device_get(local(state)), "update": np.int64(update),

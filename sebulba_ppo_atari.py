@@ -1,4 +1,4 @@
-"""Sebulba PPO: the Podracer paper's actor/learner split (Hessel et al. 2021) with CleanRL's Atari PPO (2017).
+"""Sebulba PPO: the Podracer paper's actor/learner split (Hessel et al. 2021) with PPO for Atari (Schulman et al. 2017).
 
     host CPU (per host)                 actor device(s)              learner devices (all hosts)
     -------------------                 ---------------              ---------------------------
@@ -273,7 +273,7 @@ def entropy(logits):
     return -(jnp.exp(logp) * logp).sum(-1)
 
 
-# ---- The loss: GAE (2016) and PPO's clipped objective (2017), decoupled
+# ---- The loss: GAE and PPO's clipped objective (Schulman et al. 2016, 2017), decoupled
 
 def gae(rewards, values, terminated, dones, gamma, lam):
     """Advantages [T, E]; values [T + 1, E]. A truncation bootstraps from V of its final observation (envpool
@@ -434,7 +434,6 @@ def collect(args, groups, params, states, stats):
 
 
 def start_groups(args, index, device, start_update):
-    """Actor thread `index`'s env groups (two with --async-envs) and first ActorStates."""
     num_groups = 2 if args.async_envs else 1
     n = args.local_num_envs // num_groups
     groups, states = [], []
@@ -684,7 +683,7 @@ def learn(args, shared, state):
 
 
 def checkpoint(args, shared, state, update, last=False):
-    """After `update`: a checkpoint when due or `last`; on a stop signal in any process, one and exit."""
+    """The safe point after `update`: a checkpoint when due or `last`; on a stop signal in any process, one and exit."""
     def write():  # process 0 alone fetches: the others would only pay the transfer
         if shared.run.checkpoint is not None:
             save(shared.run, {"state": jax.device_get(local(state)), "update": np.int64(update),
