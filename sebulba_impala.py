@@ -272,7 +272,7 @@ def image_input(obs):  # [N, C, H, W] -> [N, H, W, C] float, uint8 scaled to [0,
     return x / 255.0 if obs.dtype == jnp.uint8 else x
 
 
-def features(p, obs, network):  # -> policy and value features [N, 256] (mlp: [N, 64])
+def features(p, obs, network):  # obs [N, *obs_shape] -> policy and value features [N, 256] (mlp: [N, 64])
     if network == "mlp":
         return [jnp.tanh(dense(p[f"{head}1"], jnp.tanh(dense(p[f"{head}0"], obs)))) for head in ("policy", "value")]
     x = image_input(obs)
