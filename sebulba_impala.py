@@ -1,6 +1,4 @@
-"""Sebulba IMPALA: the Podracer paper's actor/learner split (Hessel et al. 2021, section 4) running IMPALA
-with V-trace (Espeholt et al. 2018, arXiv 1802.01561) on an envpool id (Atari `*-v5` with the IMPALA
-paper's protocol) or a gymnasium id, stepped on the host CPU.
+"""Sebulba IMPALA: the Podracer paper's actor/learner split (Hessel et al. 2021) with V-trace (Espeholt et al. 2018).
 
     host CPU (per host)                 actor device(s)              learner devices (all hosts)
     -------------------                 ---------------              ---------------------------
@@ -43,7 +41,7 @@ from functools import cache, partial
 from pathlib import Path
 from typing import Literal, NamedTuple
 
-STOP_PIPE = os.pipe()  # from now on a stop signal only writes its number here (catch_stop_signals reads it)
+STOP_PIPE = os.pipe()  # stop signals write their numbers here (catch_stop_signals)
 if __name__ == "__main__":
     os.set_blocking(STOP_PIPE[1], False)
     signal.set_wakeup_fd(STOP_PIPE[1])
@@ -64,25 +62,25 @@ from tensorboardX.summary import scalar
 import envpool
 import gymnasium as gym
 
-# envpool's classic-control specs trip a harmless gymnasium warning about float64 bounds
+# a harmless gymnasium warning on envpool's classic-control specs
 warnings.filterwarnings("ignore", message=".*precision lowered.*")
 
 
 @dataclasses.dataclass
 class Args:
-    """The defaults act and learn on one GPU. More envs per policy call fill it (a larger batch learns differently):
-    try 2-4 actor threads x 32-64 envs with --async-envs; `python tests/benchmark.py --gpu-check` measures them."""
+    """Defaults use one GPU; fill it with 2-4 actor threads x 32-64 envs and --async-envs (a larger batch learns
+    differently)."""
 
-    env_id: str = "Breakout-v5"  # an envpool id (Atari `*-v5`, `CartPole-v1`) or a gymnasium id (`module:Name-v0`)
+    env_id: str = "Breakout-v5"  # envpool (Atari `*-v5`, `CartPole-v1`) or gymnasium (`module:Name-v0`) id
     seed: int = 1  # seeds parameters, envs and sampling
-    total_timesteps: int | None = None  # agent steps of all envs of all hosts (default: 10M images, 300k vectors)
+    total_timesteps: int | None = None  # agent steps, all hosts (default: 10M images, 300k vectors)
     learning_rate: float | None = None  # RMSProp step size (default: 6e-4 images, 5e-3 vectors)
-    anneal_lr: bool = True  # anneal the learning rate linearly to 0
+    anneal_lr: bool = True  # linearly to 0
     actor_device_ids: list[int] | None = None  # local device indices that act (default: 0)
     learner_device_ids: list[int] | None = None  # local device indices that learn (default: the others, else 0)
-    num_actor_threads: int = 2  # per actor device: one steps its envs while another acts
-    local_num_envs: int = 16  # envs per actor thread (one policy call per step)
-    async_envs: bool = False  # a thread's envs in two halves: one steps while the policy acts for the other
+    num_actor_threads: int = 2  # per actor device: one steps envs while another acts
+    local_num_envs: int = 16  # envs per actor thread
+    async_envs: bool = False  # step half the envs while acting for the other half
     num_steps: int | None = None  # rollout length per env per update (default: 20 images, 16 vectors)
     gamma: float = 0.99  # discount
     vtrace_lambda: float = 1.0  # V-trace's lambda: c_t = lambda * min(1, pi/mu)
@@ -95,43 +93,42 @@ class Args:
     log_every: int | None = None  # updates between metrics rows (default: 10 images, 40 vectors)
     checkpoint_every: int = 100  # updates between checkpoints (and one at the end)
     # Read by the plumbing appendix only.
-    exp_name: str = Path(__file__).stem  # part of the run folder's name
+    exp_name: str = Path(__file__).stem  # in the run folder's name
     run_dir: str = "runs"  # parent folder of run folders
     resume: str | None = None  # checkpoint.npz to continue from (envs start afresh)
     distributed: bool = False  # call jax.distributed.initialize() (multi-host)
-    coordinator_address: str | None = None  # host:port of process 0 (JAX finds it on SLURM, Cloud TPU, Kubernetes)
+    coordinator_address: str | None = None  # host:port of process 0 (found on SLURM, Cloud TPU, Kubernetes)
     num_processes: int | None = None  # number of processes (multi-host)
     process_id: int | None = None  # this process's index (multi-host)
-    peer_timeout: int = 300  # seconds to wait for all processes to join
+    peer_timeout: int = 300  # seconds to wait for all processes
 
 
-# check_args fills the flags left at None from here. Images: the IMPALA paper's (appendix G: 32 envs, unroll 20).
-# Vectors: CartPole's values reach ~100, RMSProp moves a weight about one step size per update: large steps, many.
+# For flags left at None. Images: the IMPALA paper's (appendix G). Vectors: large steps, many, as RMSProp moves a
+# weight ~one step size an update and CartPole's values reach ~100.
 DEFAULTS = {"image": dict(total_timesteps=10_000_000, learning_rate=6e-4, num_steps=20, rmsprop_eps=0.01,
                           network="deep", log_every=10),
             "vector": dict(total_timesteps=300_000, learning_rate=5e-3, num_steps=16, rmsprop_eps=1e-5,
                            network="mlp", log_every=40)}
 
 
-# ---- The environment: stepped on the host by the actor threads (envpool or gymnasium) ------
+# ---- The environment: envpool or gymnasium on the host
 
 def atari_kwargs(machado):
-    """The IMPALA and PPO papers' protocol: a lost life ends a training episode, rewards clipped, 30 no-op starts."""
-    if machado:  # Machado et al. 2018; noop_max=1: no no-op starts (0 would crash envpool 1.2.5)
+    """The IMPALA and PPO papers' Atari protocol, or --machado's."""
+    if machado:  # noop_max=1: no no-op starts (0 would crash envpool 1.2.5)
         return dict(episodic_life=False, reward_clip=True, noop_max=1,
                     repeat_action_probability=0.25, full_action_space=True)
     return dict(episodic_life=True, reward_clip=True, noop_max=30)
 
 
 class EnvInfo(NamedTuple):
-    obs_shape: tuple  # images are [C, H, W], envpool's layout
+    obs_shape: tuple  # images [C, H, W]
     num_actions: int
     source: str  # "envpool" or "gymnasium"
-    atari: bool  # envpool Atari (atari_kwargs); info["reward"] is the unclipped score
+    atari: bool  # envpool Atari: info["reward"] is the unclipped score
 
 
 def env_spaces(env_id, machado):
-    """(observation space, action space, source, atari) of an envpool id, else a gymnasium one (`module:Name-v0`)."""
     if env_id in envpool.list_all_envs():
         atari = hasattr(envpool.make_spec(env_id).config, "episodic_life")
         spec = envpool.make_spec(env_id, **(atari_kwargs(machado) if atari else {}))
@@ -149,9 +146,8 @@ def env_spaces(env_id, machado):
     return probe.observation_space, probe.action_space, "gymnasium", False
 
 
-@cache  # check_args and each make_envs ask: one probe per run
+@cache  # one probe per run
 def describe_env(env_id, machado):
-    """The EnvInfo of an env this agent can play."""
     obs_space, act_space, source, atari = env_spaces(env_id, machado)
     if machado and not atari:
         fail(f"--machado applies to Atari ids only, not {env_id!r}")
@@ -160,22 +156,22 @@ def describe_env(env_id, machado):
     if not isinstance(obs_space, gym.spaces.Box) or len(obs_space.shape) not in (1, 3):
         fail(f"--env-id {env_id!r} needs a vector or image observation space, not {obs_space}")
     shape = obs_space.shape
-    if source == "gymnasium" and len(shape) == 3:  # gymnasium images are [H, W, C]
+    if source == "gymnasium" and len(shape) == 3:  # [H, W, C]
         shape = (shape[2], shape[0], shape[1])
     return EnvInfo(obs_shape=tuple(shape), num_actions=int(act_space.n), source=source, atari=atari)
 
 
 class Step(NamedTuple):
-    obs: np.ndarray  # [E, *obs_shape] the next observation
-    reward: np.ndarray  # [E] the training reward (Atari: clipped to [-1, 1])
+    obs: np.ndarray  # [E, *obs_shape]
+    reward: np.ndarray  # [E] (Atari: clipped to [-1, 1])
     terminated: np.ndarray  # [E] no bootstrap (Atari: a life lost too)
-    ended: np.ndarray  # [E] terminated or truncated: the next step resets
-    score: np.ndarray  # [E] the game's own reward (Atari: unclipped)
-    game_over: np.ndarray  # [E] the whole game ended (Atari: its last life) or was truncated
+    ended: np.ndarray  # [E] the next step resets
+    score: np.ndarray  # [E] (Atari: unclipped)
+    game_over: np.ndarray  # [E] (Atari: the last life lost) or truncated
 
 
-class Envs(NamedTuple):  # one batch of envs, stepped together
-    pool: object  # an envpool batch or a gymnasium vector env
+class Envs(NamedTuple):  # a batch of envs stepped together
+    pool: object  # envpool's or gymnasium's vector env
     env_info: EnvInfo
     seed: int
 
@@ -185,7 +181,7 @@ def make_envs(args, num_envs, seed):
     if env_info.source == "gymnasium":  # autoresets on the next step, like envpool
         pool = gym.make_vec(args.env_id.rpartition(":")[2], num_envs=num_envs, vectorization_mode="sync")
         return Envs(pool=pool, env_info=env_info, seed=seed)
-    # envpool's threads: the host's cores shared out among all env batches, not one per core each
+    # the host's cores shared among all env batches
     batches = len(args.actor_device_ids or [0]) * args.num_actor_threads * (2 if args.async_envs else 1)
     threads = min(num_envs, max(1, len(os.sched_getaffinity(0)) // batches))
     pool = envpool.make(args.env_id, env_type="gymnasium", num_envs=num_envs, seed=seed, num_threads=threads,
@@ -194,7 +190,6 @@ def make_envs(args, num_envs, seed):
 
 
 def host_obs(obs, env_info):
-    """envpool's layout and no float64: gymnasium images [E, H, W, C] -> [E, C, H, W]."""
     if env_info.source == "gymnasium" and obs.ndim == 4:
         obs = np.moveaxis(obs, -1, 1)
     return obs.astype(np.float32) if obs.dtype == np.float64 else obs
@@ -206,7 +201,7 @@ def env_reset(envs):
 
 
 def env_send(envs, actions):
-    """Start the envs' step in envpool's threads; env_step(..., sent=True) collects it."""
+    """Start a step in envpool's threads; env_step(..., sent=True) collects it."""
     if envs.env_info.source == "envpool":
         envs.pool.send(actions)
 
@@ -225,9 +220,9 @@ def env_step(envs, actions, sent=False):
                 ended=terminated | truncated, score=score, game_over=game_over)
 
 
-# ---- The network: IMPALA paper figure 3 (without the LSTM) for images, an MLP for vectors -
+# ---- The network: IMPALA's figure 3 CNNs (no LSTM) or an MLP
 
-IMPALA_CHANNELS = (16, 32, 32)  # deep: three stacks of a conv, a max-pool and two residual blocks
+IMPALA_CHANNELS = (16, 32, 32)  # deep: three stacks of a conv, a max-pool, two residual blocks
 SHALLOW_CONVS = ((16, 8, 4), (32, 4, 2))  # shallow: (channels, kernel, stride), "VALID" padding
 
 
@@ -240,7 +235,7 @@ def conv_init(key, c_in, c_out, size=3):
 
 
 def init_params(key, obs_shape, num_actions, network):
-    keys, torso = iter(jax.random.split(key, 32)), {}  # one a layer, in order (the i-th is the same for any count)
+    keys, torso = iter(jax.random.split(key, 32)), {}  # one a layer: the i-th is the same for any count
     if network == "mlp":
         for head in ("policy", "value"):  # unshared: value errors would swamp the policy
             torso[f"{head}0"] = dense_init(next(keys), obs_shape[0], 64, np.sqrt(2))
@@ -272,21 +267,21 @@ def conv(p, x, stride=1, padding="SAME"):  # x [N, H, W, C]
                                         dimension_numbers=("NHWC", "HWIO", "NHWC")) + p["b"]
 
 
-def image_input(obs):  # [N, C, H, W] -> [N, H, W, C] float: uint8 frames scaled to [0, 1], others as they are
+def image_input(obs):  # [N, C, H, W] -> [N, H, W, C] float, uint8 scaled to [0, 1]
     x = jnp.transpose(obs, (0, 2, 3, 1)).astype(jnp.float32)
     return x / 255.0 if obs.dtype == jnp.uint8 else x
 
 
-def features(p, obs, network):  # obs [N, *obs_shape] -> policy and value features: [N, 256] (mlp: [N, 64])
+def features(p, obs, network):  # obs [N, *obs_shape] -> policy and value features [N, 256] (mlp: [N, 64])
     if network == "mlp":
         return [jnp.tanh(dense(p[f"{head}1"], jnp.tanh(dense(p[f"{head}0"], obs)))) for head in ("policy", "value")]
     x = image_input(obs)
     if network == "deep":
         for i in range(len(IMPALA_CHANNELS)):
             stack = p[f"stack{i}"]
-            x = conv(stack["conv"], x)  # then a 3x3 max-pool with stride 2:
+            x = conv(stack["conv"], x)
             x = jax.lax.reduce_window(x, -jnp.inf, jax.lax.max, (1, 3, 3, 1), (1, 2, 2, 1), "SAME")
-            for block in (stack["block0"], stack["block1"]):  # residual: x + conv(relu(conv(relu(x))))
+            for block in (stack["block0"], stack["block1"]):
                 x = x + conv(block["conv1"], jax.nn.relu(conv(block["conv0"], jax.nn.relu(x))))
         x = jax.nn.relu(x)
     else:
@@ -313,7 +308,7 @@ def entropy(logits):
     return -(jnp.exp(logp) * logp).sum(-1)
 
 
-# ---- The loss: V-trace (IMPALA paper, section 4.1, rho-bar = c-bar = 1) and its policy gradient
+# ---- The loss: V-trace (IMPALA paper 4.1, rho-bar = c-bar = 1) and its policy gradient
 
 class VTrace(NamedTuple):
     vs: jax.Array  # [T, E] value targets v_s
@@ -323,10 +318,9 @@ class VTrace(NamedTuple):
 def vtrace(values, rewards, discounts, rhos, valid, lambda_):
     """V-trace targets by the paper's recursion v_s - V(x_s) = delta_s + gamma_s c_s (v_{s+1} - V(x_{s+1})).
 
-    values [T+1, E] are V(x_0..x_T), the rest [T, E]. discounts are gamma, or 0 where the episode terminated
-    (a truncation keeps gamma: x_{t+1} is then the final observation, so it bootstraps from its value). A reset
-    step (valid 0) contributes nothing and cuts the trace: no target reaches across an episode boundary."""
-    clipped_rhos = jnp.minimum(1.0, rhos)  # rho-bar = c-bar = 1
+    values [T+1, E], the rest [T, E]. discounts are 0 after a termination; a truncation bootstraps from its final
+    observation x_{t+1}. A reset step (valid 0) adds nothing and cuts the trace."""
+    clipped_rhos = jnp.minimum(1.0, rhos)
     cs = lambda_ * clipped_rhos
     deltas = valid * clipped_rhos * (rewards + discounts * values[1:] - values[:-1])
 
@@ -350,9 +344,8 @@ class Losses(NamedTuple):
 
 
 def impala_loss(params, rollout, args):
-    """Summed over this learner's valid steps, not averaged: the IMPALA paper's loss is a sum over
-    time and batch, and under RMSProp with epsilon 0.01 its scale matters (a mean's gradients
-    are T x E times smaller, so epsilon swamps them). The learners' sums are added up."""
+    """A sum over this learner's valid steps, as in the IMPALA paper: with RMSProp's epsilon 0.01, a mean's
+    gradients (T x E times smaller) would be swamped."""
     logits, values = apply(params, rollout.obs, args.network)  # [T+1, E, A], [T+1, E]
     logp_taken = log_prob(logits[:-1], rollout.actions)
     rhos = jnp.exp(logp_taken - log_prob(rollout.logits, rollout.actions))  # pi / mu, the lag's importance weights
@@ -365,11 +358,10 @@ def impala_loss(params, rollout, args):
     return loss, Losses(loss=loss, policy_loss=policy_loss, value_loss=value_loss, entropy=entropy_sum)
 
 
-# ---- Acting (actor devices): Python threads step the envs and run the policy ---------------
+# ---- Acting (actor devices)
 
 @partial(jax.jit, static_argnames="network")
 def act(params, obs, key, network):
-    """Sample actions on the actor device, with what the learner needs of them."""
     key, sub = jax.random.split(key)
     logits, _ = apply(params, obs, network)
     actions = jax.random.categorical(sub, logits)
@@ -386,17 +378,17 @@ class Rollout(NamedTuple):  # --num-steps steps of E envs
 
 
 class ActorState(NamedTuple):  # carried from step to step
-    obs: np.ndarray  # [E, *obs_shape] the observation to act on
+    obs: np.ndarray  # [E, *obs_shape] to act on
     key: jax.Array  # on the actor device
     ended: np.ndarray  # [E] obs ends an episode: the next step resets
-    game_return: np.ndarray  # [E] of the game in progress (Atari: unclipped)
-    game_length: np.ndarray  # [E] its agent steps
+    game_return: np.ndarray  # [E] (Atari: unclipped)
+    game_length: np.ndarray  # [E] agent steps
 
 
 class ActorStats(NamedTuple):  # sent with each rollout
-    returns: list  # of the whole games that ended
+    returns: list  # of the games that ended
     lengths: list
-    lag: int  # updates between the acting parameters and the learner's
+    lag: int  # updates behind the learner's parameters
     seconds: dict  # timings of the rollout
 
 
@@ -412,8 +404,7 @@ def track_games(state, step, stats):
 
 
 def collect(args, groups, params, states, stats):
-    """--num-steps steps of each group of envs, taking turns: envpool steps one while the policy acts for the
-    next. Returns the Rollout (the groups side by side along E) and the next ActorStates."""
+    """--num-steps steps of each group, taking turns: envpool steps one while the policy acts for the next."""
     steps, states = [[] for _ in groups], list(states)  # per group: a dict of [E] arrays a step
     for t in range(args.num_steps + 1):
         for g, envs in enumerate(groups):
@@ -426,7 +417,7 @@ def collect(args, groups, params, states, stats):
             if t < args.num_steps:
                 with timer(stats.seconds, "inference_time"):
                     actions, logits, key = act(params, states[g].obs, states[g].key, args.network)
-                    actions = np.asarray(actions)  # the logits stay on the actor device until the end
+                    actions = np.asarray(actions)  # the logits: fetched once, at the end
                 env_send(envs, actions)
                 steps[g].append(dict(obs=states[g].obs, actions=actions, logits=logits))
                 states[g] = states[g]._replace(key=key)
@@ -437,7 +428,6 @@ def collect(args, groups, params, states, stats):
 
 
 def start_groups(args, index, device, start_update):
-    """Actor thread `index`'s groups of envs (two with --async-envs) and their first ActorStates."""
     num_groups = 2 if args.async_envs else 1
     n = args.local_num_envs // num_groups
     groups, states = [], []
@@ -452,7 +442,6 @@ def start_groups(args, index, device, start_update):
 
 @contextlib.contextmanager
 def timer(seconds, name):
-    """Add the seconds the `with` block takes to seconds[name]."""
     start = time.perf_counter()
     yield
     seconds[name] += time.perf_counter() - start
@@ -471,7 +460,7 @@ def until_stopped(op, stopping, *op_args):
 
 
 class ParamStore:
-    """The newest parameters, a copy on each actor device, and their version (updates made)."""
+    """The newest parameters on each actor device, and their version (updates made)."""
 
     def __init__(self, devices):
         self.cond, self.devices, self.version, self.params = threading.Condition(), devices, -1, None
@@ -482,7 +471,7 @@ class ParamStore:
             self.version, self.params = version, params
             self.cond.notify_all()
 
-    def wait(self, min_version, stop):  # -> (version, params) once version >= min_version
+    def wait(self, min_version, stop):
         with self.cond:
             while not self.cond.wait_for(lambda: self.version >= min_version, timeout=0.5):
                 if stop.is_set():
@@ -490,27 +479,26 @@ class ParamStore:
             return self.version, self.params
 
 
-class Shared(NamedTuple):  # what this host's actor threads and learner loop share
+class Shared(NamedTuple):  # among this host's threads
     layout: "Layout"
-    store: ParamStore  # parameters to the actors
-    queues: list  # rollouts to the learner, one bounded queue per actor thread
+    store: ParamStore
+    queues: list  # one bounded queue of rollouts per actor thread
     stop: threading.Event  # set at the end or when an actor thread fails
     errors: list  # the failed threads' tracebacks
     caught: list  # stop signals (catch_stop_signals)
-    run: "Run"  # the run folder (plumbing)
-    start_update: int  # the update this run starts after (a resumed run's)
+    run: "Run"
+    start_update: int  # the update resumed after (else 0)
     num_updates: int
     batch: int  # steps per update
 
 
 def actor_loop(args, shared, i):
-    """Actor thread i of this host (paper section 4): act, ship each rollout to the learners."""
     device = shared.layout.actor_devices[i // args.num_actor_threads]
     index = jax.process_index() * len(shared.queues) + i  # among all hosts' threads
     groups, states = start_groups(args, index, device, shared.start_update)
     seconds = defaultdict(float, actor_queue_wait=0.0)  # this rollout's timings
     for u in range(shared.start_update, shared.num_updates):
-        # Rollout u feeds update u + 1 and may act with version u - 1 (lag 1): V-trace corrects for it.
+        # Rollout u feeds update u + 1 and may act with version u - 1.
         with timer(seconds, "actor_params_wait"):
             version, params = shared.store.wait(u - 1, shared.stop)
         stats = ActorStats(returns=[], lengths=[], lag=u - version, seconds=seconds)
@@ -535,7 +523,7 @@ def actor_thread(args, shared, i):
         shared.stop.set()
 
 
-# ---- Learning (learner devices): one IMPALA update in one compiled call ---------------------
+# ---- Learning (learner devices): one IMPALA update in one compiled call
 
 class TrainState(NamedTuple):
     params: dict
@@ -547,9 +535,8 @@ def learning_rate(args, num_updates, update):  # update 0 is the first
 
 
 def make_optimizer(args, num_updates):
-    """RMSProp (decay 0.99, no momentum) and global-norm clipping, as in the IMPALA paper. Epsilon goes outside
-    the root, as in torchbeast and Cleanba: inside (optax's default) 0.01 floors the denominator at 0.1 and the
-    policy barely moves on Atari."""
+    """The IMPALA paper's RMSProp, epsilon outside the root as in torchbeast and Cleanba: inside (optax's default),
+    0.01 floors the denominator at 0.1 and the policy barely moves on Atari."""
     lr = lambda count: learning_rate(args, num_updates, count)
     return optax.chain(optax.clip_by_global_norm(args.max_grad_norm),
                        optax.rmsprop(lr, decay=0.99, eps=args.rmsprop_eps, eps_in_sqrt=False))
@@ -563,7 +550,7 @@ def init_state(key, args, env_info, num_updates):
 def learner_update(state, rollout, args, optimizer):
     """One IMPALA update on this learner's share [T, E_l, ...] of the rollouts (inside shard_map)."""
     grads, losses = jax.grad(impala_loss, has_aux=True)(state.params, rollout, args)
-    # Each learner's sum -> the global batch's; the losses are logged per valid step.
+    # The learners' sums add up; losses are logged per valid step.
     grads, losses, num_valid = jax.lax.psum((grads, losses, rollout.valid.sum()), "devices")
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     losses = jax.tree.map(lambda x: x / jnp.maximum(num_valid, 1.0), losses)
@@ -571,20 +558,19 @@ def learner_update(state, rollout, args, optimizer):
 
 
 def make_update(args, mesh, num_updates):
-    """One update on every learner device of every host, one compiled call."""
     body = partial(learner_update, args=args, optimizer=make_optimizer(args, num_updates))
-    # check_vma=False: the body sums the devices' gradients itself; with the check on, JAX would already
-    # have summed those of the replicated (P()) parameters.
+    # check_vma=False: the body psums the gradients itself; with the check, JAX would already have summed
+    # those of the replicated (P()) parameters.
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P(None, "devices")), out_specs=(P(), P()),
                                  check_vma=False))
 
 
-# ---- The device mapping: actor and learner devices on every host, rollouts between them ----
+# ---- The device mapping
 
 class Layout(NamedTuple):
     actor_devices: list  # this host's
     learner_devices: list  # this host's, in mesh order
-    mesh: Mesh  # the learner devices of every host, one axis "devices"
+    mesh: Mesh  # every host's learner devices, one axis "devices"
     num_envs: int  # of all hosts
 
 
@@ -632,10 +618,10 @@ def local(tree):
     return jax.tree.map(lambda x: x.addressable_shards[0].data, tree)
 
 
-# ---- The learner loop (main thread): rollouts in, updates, parameters out ----------------
+# ---- The learner loop (main thread)
 
 def receive(shared):
-    """Every local actor thread's (rollout parts, ActorStats); None once a stop signal is caught."""
+    """Each local actor thread's (parts, ActorStats); None once a stop signal is caught."""
     with contextlib.suppress(Stopped):
         return [until_stopped(q.get, lambda: shared.stop.is_set() or bool(shared.caught)) for q in shared.queues]
     if shared.stop.is_set():  # an actor thread failed
@@ -644,14 +630,13 @@ def receive(shared):
 
 
 def learn(args, shared, state):
-    """The learner (paper section 4): receive rollouts, update, publish, report. Returns the state and last row."""
     update_fn, start, row = make_update(args, shared.layout.mesh, shared.num_updates), time.perf_counter(), {}
     window = Window(start=start, actors=[], losses=[], learner=[])
     for update in range(shared.start_update + 1, shared.num_updates + 1):
         seconds = defaultdict(float)
         with timer(seconds, "learner_queue_wait"):
             received = receive(shared)
-        checkpoint(args, shared, state, update - 1)  # the safe point between updates: may exit
+        checkpoint(args, shared, state, update - 1)  # the safe point: may exit
         with timer(seconds, "learner_time"):
             state, losses = update_fn(state, assemble([parts for parts, _ in received], shared.layout))
             shared.store.publish(update, state.params)
@@ -668,7 +653,7 @@ def learn(args, shared, state):
 
 def checkpoint(args, shared, state, update, last=False):
     """The safe point after `update`: a checkpoint when due or `last`; on a stop signal in any process, one and exit."""
-    def write():  # process 0 alone fetches the replicated state: the others would only pay the transfer
+    def write():  # process 0 alone fetches: the others would only pay the transfer
         if shared.run.checkpoint is not None:
             save(shared.run, {"state": jax.device_get(local(state)), "update": np.int64(update),
                               "global_step": np.int64(update * shared.batch)}, args)
@@ -678,7 +663,7 @@ def checkpoint(args, shared, state, update, last=False):
 
 
 def initial_state(args, env_info, layout, batch):
-    """The TrainState on every learner device, fresh or --resume's, and the update it starts after."""
+    """The replicated TrainState, fresh or --resume's, and the update it starts after."""
     init = partial(init_state, jax.random.PRNGKey(args.seed), args, env_info, args.total_timesteps // batch)
     template = {"state": jax.eval_shape(init), "update": np.int64(0), "global_step": np.int64(0)}
     ckpt = load(args, template, batch, "a checkpoint of sebulba_impala.py?") if args.resume else None
@@ -688,7 +673,7 @@ def initial_state(args, env_info, layout, batch):
     return state, int(ckpt["update"]) if ckpt else 0
 
 
-# ---- The metrics: CleanRL's names and Cleanba's timing scalars -----------------------------
+# ---- The metrics: CleanRL's names and Cleanba's timing scalars
 
 class Window(NamedTuple):  # since the last metrics row
     start: float  # time.perf_counter()
@@ -698,7 +683,6 @@ class Window(NamedTuple):  # since the last metrics row
 
 
 def report(args, shared, window, update, start):
-    """Log the window's means (of the lag: its largest) as a metrics row; returns it."""
     mean = lambda xs: float(np.mean(xs))
     row = {"global_step": update * shared.batch, "update": update,
            "charts/SPS": len(window.losses) * shared.batch / (time.perf_counter() - window.start),
@@ -715,10 +699,10 @@ def report(args, shared, window, update, start):
     return row
 
 
-# ---- This script's flags ------------------------------------------------------------------
+# ---- This script's flags
 
 def check_args(args):
-    """Flag checks; returns the args, their defaults filled in, and the EnvInfo."""
+    """Returns the args, defaults filled in, and the EnvInfo."""
     env_info = describe_env(args.env_id, args.machado)
     image = len(env_info.obs_shape) == 3
     if args.network is None and image and not args.distributed and jax.default_backend() == "cpu":
@@ -736,7 +720,7 @@ def check_args(args):
 
 
 def check_sizes(args, layout, env_info):
-    """Counts that must divide or fit; returns the steps of one update."""
+    """Counts that must divide or fit; returns the steps per update."""
     n_learners = len(layout.learner_devices)
     if args.local_num_envs % n_learners:
         fail(f"--local-num-envs {args.local_num_envs} must divide evenly across {n_learners} learner devices")
@@ -755,7 +739,7 @@ def check_sizes(args, layout, env_info):
     return batch
 
 
-# ---- The run: actor threads feed the learner (main thread) through bounded queues ---------
+# ---- The run
 
 def main(args):
     caught = catch_stop_signals()
@@ -776,10 +760,10 @@ def main(args):
         f"learner devices {[d.id for d in layout.learner_devices]} x {jax.process_count()} host(s)")
     try:
         state, row = learn(args, shared, state)
-    except Stopped:  # an actor thread failed: its traceback, then exit status 1
+    except Stopped:  # an actor thread failed
         exit_now(1, run, "".join(shared.errors).rstrip())
     finally:
-        shared.stop.set()  # the actor threads end
+        shared.stop.set()
     for t in threads:
         t.join(timeout=10)
     checkpoint(args, shared, state, num_updates, last=True)

@@ -1,6 +1,4 @@
-"""Sebulba PPO: the Podracer paper's actor/learner split (Hessel et al. 2021, section 4) running the PPO
-Atari recipe (Schulman et al. 2017; CleanRL's and Cleanba's settings) on an envpool id with images (Atari
-`*-v5` with the PPO paper's protocol) or a gymnasium id, stepped on the host CPU; vectors: sebulba_impala.py.
+"""Sebulba PPO: the Podracer paper's actor/learner split (Hessel et al. 2021) with PPO for Atari (Schulman et al. 2017).
 
     host CPU (per host)                 actor device(s)              learner devices (all hosts)
     -------------------                 ---------------              ---------------------------
@@ -11,8 +9,7 @@ Atari recipe (Schulman et al. 2017; CleanRL's and Cleanba's settings) on an envp
                                         (device_put, bounded queue)  GAE, then epochs x minibatches
                                                                      of PPO, grads psum'd over all
                                    <------------------------------  new params (one update later)
-    Actors act with parameters at most one update old (stats/param_lag; --no-policy-lag: the newest).
-    Decoupled PPO (Hilton et al. 2021) still learns from samples the lag put outside PPO's clip window.
+    Actors act with parameters at most one update old (stats/param_lag); decoupled PPO corrects for the lag.
 
     python sebulba_ppo_atari.py --env-id Breakout-v5
     python sebulba_ppo_atari.py --env-id Pong-v5 --actor-device-ids 0 --learner-device-ids 1 2 3
@@ -43,7 +40,7 @@ from functools import cache, partial
 from pathlib import Path
 from typing import NamedTuple
 
-STOP_PIPE = os.pipe()  # from now on a stop signal only writes its number here (catch_stop_signals reads it)
+STOP_PIPE = os.pipe()  # stop signals write their numbers here (catch_stop_signals)
 if __name__ == "__main__":
     os.set_blocking(STOP_PIPE[1], False)
     signal.set_wakeup_fd(STOP_PIPE[1])
@@ -67,22 +64,22 @@ import gymnasium as gym
 
 @dataclasses.dataclass
 class Args:
-    """The defaults act and learn on one GPU. More envs per policy call fill it (a larger batch learns differently):
-    try 2-4 actor threads x 32-64 envs with --async-envs; `python tests/benchmark.py --gpu-check` measures them."""
+    """Defaults use one GPU; fill it with 2-4 actor threads x 32-64 envs and --async-envs (a larger batch learns
+    differently)."""
 
-    env_id: str = "Breakout-v5"  # an envpool id with images (Atari `*-v5`) or a gymnasium id (`module:Name-v0`)
+    env_id: str = "Breakout-v5"  # envpool (Atari `*-v5`) or gymnasium (`module:Name-v0`) id with images
     seed: int = 1  # seeds parameters, envs and sampling
-    total_timesteps: int = 10_000_000  # agent steps of all envs of all hosts
+    total_timesteps: int = 10_000_000  # agent steps, all hosts
     learning_rate: float = 2.5e-4  # Adam step size
-    anneal_lr: bool = True  # anneal the learning rate linearly to 0
+    anneal_lr: bool = True  # linearly to 0
     actor_device_ids: list[int] | None = None  # local device indices that act (default: 0)
     learner_device_ids: list[int] | None = None  # local device indices that learn (default: the others, else 0)
-    num_actor_threads: int = 2  # per actor device: one steps its envs while another acts
-    local_num_envs: int = 16  # envs per actor thread (one policy call per step)
-    async_envs: bool = False  # a thread's envs in two halves: one steps while the policy acts for the other
+    num_actor_threads: int = 2  # per actor device: one steps envs while another acts
+    local_num_envs: int = 16  # envs per actor thread
+    async_envs: bool = False  # step half the envs while acting for the other half
     num_steps: int = 128  # rollout length per env per update
     gamma: float = 0.99  # discount
-    gae_lambda: float = 0.95  # lambda of generalised advantage estimation
+    gae_lambda: float = 0.95  # GAE's lambda
     num_minibatches: int = 4  # minibatches per epoch (one gradient step each)
     update_epochs: int = 4  # passes over each rollout
     clip_coef: float = 0.1  # PPO ratio clipping (also clips the value update)
@@ -94,21 +91,21 @@ class Args:
     log_every: int = 1  # updates between metrics rows
     checkpoint_every: int = 50  # updates between checkpoints (and one at the end)
     # Read by the plumbing appendix only.
-    exp_name: str = Path(__file__).stem  # part of the run folder's name
+    exp_name: str = Path(__file__).stem  # in the run folder's name
     run_dir: str = "runs"  # parent folder of run folders
     resume: str | None = None  # checkpoint.npz to continue from (envs start afresh)
     distributed: bool = False  # call jax.distributed.initialize() (multi-host)
-    coordinator_address: str | None = None  # host:port of process 0 (JAX finds it on SLURM, Cloud TPU, Kubernetes)
+    coordinator_address: str | None = None  # host:port of process 0 (found on SLURM, Cloud TPU, Kubernetes)
     num_processes: int | None = None  # number of processes (multi-host)
     process_id: int | None = None  # this process's index (multi-host)
-    peer_timeout: int = 300  # seconds to wait for all processes to join
+    peer_timeout: int = 300  # seconds to wait for all processes
 
 
-# ---- The environment: stepped on the host by the actor threads (envpool or gymnasium) ------
+# ---- The environment: envpool or gymnasium on the host
 
 def atari_kwargs(machado):
-    """The IMPALA and PPO papers' protocol: a lost life ends a training episode, rewards clipped, 30 no-op starts."""
-    if machado:  # Machado et al. 2018; noop_max=1: no no-op starts (0 would crash envpool 1.2.5)
+    """The IMPALA and PPO papers' Atari protocol, or --machado's."""
+    if machado:  # noop_max=1: no no-op starts (0 would crash envpool 1.2.5)
         return dict(episodic_life=False, reward_clip=True, noop_max=1,
                     repeat_action_probability=0.25, full_action_space=True)
     return dict(episodic_life=True, reward_clip=True, noop_max=30)
@@ -118,11 +115,10 @@ class EnvInfo(NamedTuple):
     obs_shape: tuple  # [C, H, W], envpool's layout
     num_actions: int
     source: str  # "envpool" or "gymnasium"
-    atari: bool  # envpool Atari (atari_kwargs); info["reward"] is the unclipped score
+    atari: bool  # envpool Atari: info["reward"] is the unclipped score
 
 
 def env_spaces(env_id, machado):
-    """(observation space, action space, source, atari) of an envpool id, else a gymnasium one (`module:Name-v0`)."""
     if env_id in envpool.list_all_envs():
         atari = hasattr(envpool.make_spec(env_id).config, "episodic_life")
         spec = envpool.make_spec(env_id, **(atari_kwargs(machado) if atari else {}))
@@ -140,9 +136,8 @@ def env_spaces(env_id, machado):
     return probe.observation_space, probe.action_space, "gymnasium", False
 
 
-@cache  # check_args and each make_envs ask: one probe per run
+@cache  # one probe per run
 def describe_env(env_id, machado):
-    """The EnvInfo of an env this agent can play."""
     obs_space, act_space, source, atari = env_spaces(env_id, machado)
     if machado and not atari:
         fail(f"--machado applies to Atari ids only, not {env_id!r}")
@@ -151,22 +146,22 @@ def describe_env(env_id, machado):
     if not isinstance(obs_space, gym.spaces.Box) or len(obs_space.shape) != 3:
         fail(f"--env-id {env_id!r} needs image observations, not {obs_space} (vectors: sebulba_impala.py)")
     shape = obs_space.shape
-    if source == "gymnasium" and len(shape) == 3:  # gymnasium images are [H, W, C]
+    if source == "gymnasium" and len(shape) == 3:  # [H, W, C]
         shape = (shape[2], shape[0], shape[1])
     return EnvInfo(obs_shape=tuple(shape), num_actions=int(act_space.n), source=source, atari=atari)
 
 
 class Step(NamedTuple):
-    obs: np.ndarray  # [E, *obs_shape] the next observation
-    reward: np.ndarray  # [E] the training reward (Atari: clipped to [-1, 1])
+    obs: np.ndarray  # [E, *obs_shape]
+    reward: np.ndarray  # [E] (Atari: clipped to [-1, 1])
     terminated: np.ndarray  # [E] no bootstrap (Atari: a life lost too)
-    ended: np.ndarray  # [E] terminated or truncated: the next step resets
-    score: np.ndarray  # [E] the game's own reward (Atari: unclipped)
-    game_over: np.ndarray  # [E] the whole game ended (Atari: its last life) or was truncated
+    ended: np.ndarray  # [E] the next step resets
+    score: np.ndarray  # [E] (Atari: unclipped)
+    game_over: np.ndarray  # [E] (Atari: the last life lost) or truncated
 
 
-class Envs(NamedTuple):  # one batch of envs, stepped together
-    pool: object  # an envpool batch or a gymnasium vector env
+class Envs(NamedTuple):  # a batch of envs stepped together
+    pool: object  # envpool's or gymnasium's vector env
     env_info: EnvInfo
     seed: int
 
@@ -176,7 +171,7 @@ def make_envs(args, num_envs, seed):
     if env_info.source == "gymnasium":  # autoresets on the next step, like envpool
         pool = gym.make_vec(args.env_id.rpartition(":")[2], num_envs=num_envs, vectorization_mode="sync")
         return Envs(pool=pool, env_info=env_info, seed=seed)
-    # envpool's threads: the host's cores shared out among all env batches, not one per core each
+    # the host's cores shared among all env batches
     batches = len(args.actor_device_ids or [0]) * args.num_actor_threads * (2 if args.async_envs else 1)
     threads = min(num_envs, max(1, len(os.sched_getaffinity(0)) // batches))
     pool = envpool.make(args.env_id, env_type="gymnasium", num_envs=num_envs, seed=seed, num_threads=threads,
@@ -185,7 +180,6 @@ def make_envs(args, num_envs, seed):
 
 
 def host_obs(obs, env_info):
-    """envpool's layout and no float64: gymnasium images [E, H, W, C] -> [E, C, H, W]."""
     if env_info.source == "gymnasium" and obs.ndim == 4:
         obs = np.moveaxis(obs, -1, 1)
     return obs.astype(np.float32) if obs.dtype == np.float64 else obs
@@ -197,7 +191,7 @@ def env_reset(envs):
 
 
 def env_send(envs, actions):
-    """Start the envs' step in envpool's threads; env_step(..., sent=True) collects it."""
+    """Start a step in envpool's threads; env_step(..., sent=True) collects it."""
     if envs.env_info.source == "envpool":
         envs.pool.send(actions)
 
@@ -216,14 +210,14 @@ def env_step(envs, actions, sent=False):
                 ended=terminated | truncated, score=score, game_over=game_over)
 
 
-# ---- The network: a CNN, then a hidden layer and the two heads; orthogonal init as in PPO --
+# ---- The network: a CNN and two heads, PPO's orthogonal init
 
-# The (channels, kernel, stride) of each "VALID" conv, and the hidden layer's width.
-NATURE = ((32, 8, 4), (64, 4, 2), (64, 3, 1)), 512  # Nature DQN (Mnih et al. 2015), for 84x84 frames
-MINATAR = ((16, 3, 1),), 128  # the MinAtar paper's (Young and Tian 2019), for its 10x10 images
+# (channels, kernel, stride) of each "VALID" conv, and the hidden width
+NATURE = ((32, 8, 4), (64, 4, 2), (64, 3, 1)), 512  # Nature DQN's (Mnih et al. 2015)
+MINATAR = ((16, 3, 1),), 128  # MinAtar's (Young and Tian 2019)
 
 
-def layers(obs_shape):  # [C, H, W] -> the network that fits it: the Nature CNN needs 36x36 or more
+def layers(obs_shape):  # the Nature CNN needs 36x36 or more
     return NATURE if min(obs_shape[1:]) >= 36 else MINATAR
 
 
@@ -237,7 +231,7 @@ def conv_init(key, c_in, c_out, size):
 
 def init_params(key, obs_shape, num_actions):
     convs, hidden = layers(obs_shape)
-    keys, torso = iter(jax.random.split(key, 32)), {}  # one a layer, in order (the i-th is the same for any count)
+    keys, torso = iter(jax.random.split(key, 32)), {}  # one a layer: the i-th is the same for any count
     c_in, (h, w) = obs_shape[0], obs_shape[1:]
     for i, (c, size, stride) in enumerate(convs):
         torso[f"conv{i}"] = conv_init(next(keys), c_in, c, size)
@@ -256,7 +250,7 @@ def conv(p, x, stride=1, padding="SAME"):  # x [N, H, W, C]
                                         dimension_numbers=("NHWC", "HWIO", "NHWC")) + p["b"]
 
 
-def image_input(obs):  # [N, C, H, W] -> [N, H, W, C] float: uint8 frames scaled to [0, 1], others as they are
+def image_input(obs):  # [N, C, H, W] -> [N, H, W, C] float, uint8 scaled to [0, 1]
     x = jnp.transpose(obs, (0, 2, 3, 1)).astype(jnp.float32)
     return x / 255.0 if obs.dtype == jnp.uint8 else x
 
@@ -279,14 +273,11 @@ def entropy(logits):
     return -(jnp.exp(logp) * logp).sum(-1)
 
 
-# ---- The loss: GAE (Schulman et al. 2016) and PPO's clipped objective (2017), decoupled ---
+# ---- The loss: GAE and PPO's clipped objective (Schulman et al. 2016, 2017), decoupled
 
 def gae(rewards, values, terminated, dones, gamma, lam):
-    """Advantages [T, E] from rewards, terminated, dones [T, E] and values [T + 1, E].
-
-    values[t + 1] is V of the observation step t returned: after a truncation the final observation (envpool
-    resets on the next step), so a truncation bootstraps from it and only `terminated` zeroes it. `dones` stops
-    the recursion, so the autoreset step after an end never leaks into the old episode."""
+    """Advantages [T, E]; values [T + 1, E]. A truncation bootstraps from V of its final observation (envpool
+    resets on the next step); `dones` cuts the recursion."""
     deltas = rewards + gamma * values[1:] * (1.0 - terminated) - values[:-1]
 
     def backward(next_adv, x):
@@ -299,7 +290,7 @@ def gae(rewards, values, terminated, dones, gamma, lam):
 
 
 def normalize(advantages, mask, axis_name):
-    """Zero mean, unit std over the valid samples of the minibatch on every learner."""
+    """Zero mean, unit std over the valid samples of all learners."""
     n = jax.lax.psum(mask.sum(), axis_name)
     mean = jax.lax.psum((advantages * mask).sum(), axis_name) / n
     var = jax.lax.psum((((advantages - mean) ** 2) * mask).sum(), axis_name) / n
@@ -307,51 +298,47 @@ def normalize(advantages, mask, axis_name):
 
 
 def clipped_surrogate(ratio, advantages, clip):
-    """Per-sample PPO policy loss: the pessimistic of the plain and clipped ratio terms."""
+    """PPO's per-sample policy loss: the pessimistic of the plain and clipped terms."""
     return jnp.maximum(-advantages * ratio, -advantages * jnp.clip(ratio, 1 - clip, 1 + clip))
 
 
 def decoupled_surrogate(logp, prox_logp, behaviour_logp, advantages, clip):
-    """Per-sample decoupled PPO policy loss (Hilton et al. 2021, arXiv 2110.00641): the ratio is clipped around
-    the proximal policy pi_prox (the learner's parameters at the update's start), and pi_prox / mu reweights each
-    sample of the behaviour policy mu (the actor's, up to one update older). With pi_prox == mu it is PPO's.
-    The weight is unclipped, as in the paper: clipping would bias the update toward mu. One update apart it is
-    near 1 for most samples; the global-norm gradient clip bounds an outlier."""
+    """Decoupled PPO (Hilton et al. 2021): the ratio is clipped around pi_prox (the parameters at the update's
+    start), and pi_prox / mu, unclipped as in the paper (clipping biases toward mu), reweights the samples: near 1
+    one update apart, and the gradient clip bounds an outlier."""
     weight = jax.lax.stop_gradient(jnp.exp(prox_logp - behaviour_logp))
     ratio = jnp.exp(logp - jax.lax.stop_gradient(prox_logp))
     return weight * clipped_surrogate(ratio, advantages, clip)
 
 
 def clipped_value_loss(values, old_values, returns, clip):
-    """Per-sample value loss, with the value update clipped around the acting-time value."""
+    """Per-sample value loss, clipped around the acting-time value."""
     clipped = old_values + jnp.clip(values - old_values, -clip, clip)
     return 0.5 * jnp.maximum((values - returns) ** 2, (clipped - returns) ** 2)
 
 
-class Samples(NamedTuple):  # flattened [N] learning samples on one learner
+class Samples(NamedTuple):  # [N] samples on one learner
     obs: jax.Array  # [N, *obs_shape]
     actions: jax.Array
-    logprobs: jax.Array  # log mu, stored at acting time
+    logprobs: jax.Array  # log mu
     values: jax.Array  # acting-time values
     advantages: jax.Array
     returns: jax.Array
-    mask: jax.Array  # 0 on reset steps, whose action did nothing
-    prox_logprobs: jax.Array | None = None  # log pi_prox, filled in by learner_update
+    mask: jax.Array  # 0 on reset steps
+    prox_logprobs: jax.Array | None = None  # log pi_prox, set by learner_update
 
 
 class Losses(NamedTuple):
     policy_loss: jax.Array
     value_loss: jax.Array
     entropy: jax.Array
-    approx_kl: jax.Array  # of pi from pi_prox: how far this update has moved
+    approx_kl: jax.Array  # of pi from pi_prox
     clipfrac: jax.Array  # pi / pi_prox outside the clip window
-    # pi / mu outside the window in an update's first minibatch (pi == pi_prox): the samples the lag alone put
-    # there, which plain PPO (window around mu) would learn nothing from.
-    clipfrac_first: jax.Array
+    clipfrac_first: jax.Array  # pi / mu outside it at an update's start: what plain PPO would not learn from
 
 
 def ppo_loss(params, mb, args, axis_name):
-    """This learner's share of the global minibatch's mean PPO loss (psum over learners = mean)."""
+    """This learner's share of the minibatch's mean PPO loss (the psum is the mean)."""
     logits, values = apply(params, mb.obs)
     logp = log_prob(logits, mb.actions)
     log_ratio = logp - mb.prox_logprobs
@@ -371,11 +358,10 @@ def ppo_loss(params, mb, args, axis_name):
     return loss, losses
 
 
-# ---- Acting (actor devices): Python threads step the envs and run the policy ---------------
+# ---- Acting (actor devices)
 
 @jax.jit
 def act(params, obs, key):
-    """Sample actions on the actor device, with what the learner needs of them."""
     key, sub = jax.random.split(key)
     logits, values = apply(params, obs)
     actions = jax.random.categorical(sub, logits)
@@ -386,7 +372,7 @@ class Rollout(NamedTuple):  # --num-steps steps of E envs
     obs: np.ndarray  # [T, E, *obs_shape]
     actions: np.ndarray  # [T, E]
     logprobs: np.ndarray  # [T, E] of the behaviour policy mu
-    values: np.ndarray  # [T + 1, E], the last one V of the bootstrap observation
+    values: np.ndarray  # [T + 1, E]; the last bootstraps
     rewards: np.ndarray  # [T, E]
     terminated: np.ndarray  # [T, E] 1.0: no bootstrap after step t
     dones: np.ndarray  # [T, E] terminated or truncated
@@ -394,17 +380,17 @@ class Rollout(NamedTuple):  # --num-steps steps of E envs
 
 
 class ActorState(NamedTuple):  # carried from step to step
-    obs: np.ndarray  # [E, *obs_shape] the observation to act on
+    obs: np.ndarray  # [E, *obs_shape] to act on
     key: jax.Array  # on the actor device
     ended: np.ndarray  # [E] obs ends an episode: the next step resets
-    game_return: np.ndarray  # [E] of the game in progress (Atari: unclipped)
-    game_length: np.ndarray  # [E] its agent steps
+    game_return: np.ndarray  # [E] (Atari: unclipped)
+    game_length: np.ndarray  # [E] agent steps
 
 
 class ActorStats(NamedTuple):  # sent with each rollout
-    returns: list  # of the whole games that ended
+    returns: list  # of the games that ended
     lengths: list
-    lag: int  # updates between the acting parameters and the learner's
+    lag: int  # updates behind the learner's parameters
     seconds: dict  # timings of the rollout
 
 
@@ -420,8 +406,7 @@ def track_games(state, step, stats):
 
 
 def collect(args, groups, params, states, stats):
-    """--num-steps steps of each group of envs, taking turns: envpool steps one while the policy acts for the
-    next. Returns the Rollout (the groups side by side along E) and the next ActorStates."""
+    """--num-steps steps of each group, taking turns: envpool steps one while the policy acts for the next."""
     steps, states = [[] for _ in groups], list(states)  # per group: a dict of [E] arrays a step
     for t in range(args.num_steps + 1):
         for g, envs in enumerate(groups):
@@ -434,11 +419,11 @@ def collect(args, groups, params, states, stats):
             if t < args.num_steps:
                 with timer(stats.seconds, "inference_time"):
                     actions, logprobs, values, key = act(params, states[g].obs, states[g].key)
-                    actions = np.asarray(actions)  # the rest stays on the actor device until the end
+                    actions = np.asarray(actions)  # the rest: fetched once, at the end
                 env_send(envs, actions)
                 steps[g].append(dict(obs=states[g].obs, actions=actions, logprobs=logprobs, values=values))
                 states[g] = states[g]._replace(key=key)
-    bootstrap = []  # V of each group's observation after its last step
+    bootstrap = []  # V of each group's last observation
     for g, state in enumerate(states):
         _, _, value, key = act(params, state.obs, state.key)
         bootstrap, states[g] = bootstrap + [value], state._replace(key=key)
@@ -449,7 +434,6 @@ def collect(args, groups, params, states, stats):
 
 
 def start_groups(args, index, device, start_update):
-    """Actor thread `index`'s groups of envs (two with --async-envs) and their first ActorStates."""
     num_groups = 2 if args.async_envs else 1
     n = args.local_num_envs // num_groups
     groups, states = [], []
@@ -464,7 +448,6 @@ def start_groups(args, index, device, start_update):
 
 @contextlib.contextmanager
 def timer(seconds, name):
-    """Add the seconds the `with` block takes to seconds[name]."""
     start = time.perf_counter()
     yield
     seconds[name] += time.perf_counter() - start
@@ -483,7 +466,7 @@ def until_stopped(op, stopping, *op_args):
 
 
 class ParamStore:
-    """The newest parameters, a copy on each actor device, and their version (updates made)."""
+    """The newest parameters on each actor device, and their version (updates made)."""
 
     def __init__(self, devices):
         self.cond, self.devices, self.version, self.params = threading.Condition(), devices, -1, None
@@ -494,7 +477,7 @@ class ParamStore:
             self.version, self.params = version, params
             self.cond.notify_all()
 
-    def wait(self, min_version, stop):  # -> (version, params) once version >= min_version
+    def wait(self, min_version, stop):
         with self.cond:
             while not self.cond.wait_for(lambda: self.version >= min_version, timeout=0.5):
                 if stop.is_set():
@@ -502,27 +485,26 @@ class ParamStore:
             return self.version, self.params
 
 
-class Shared(NamedTuple):  # what this host's actor threads and learner loop share
+class Shared(NamedTuple):  # among this host's threads
     layout: "Layout"
-    store: ParamStore  # parameters to the actors
-    queues: list  # rollouts to the learner, one bounded queue per actor thread
+    store: ParamStore
+    queues: list  # one bounded queue of rollouts per actor thread
     stop: threading.Event  # set at the end or when an actor thread fails
     errors: list  # the failed threads' tracebacks
     caught: list  # stop signals (catch_stop_signals)
-    run: "Run"  # the run folder (plumbing)
-    start_update: int  # the update this run starts after (a resumed run's)
+    run: "Run"
+    start_update: int  # the update resumed after (else 0)
     num_updates: int
     batch: int  # steps per update
 
 
 def actor_loop(args, shared, i):
-    """Actor thread i of this host (paper section 4): act, ship each rollout to the learners."""
     device = shared.layout.actor_devices[i // args.num_actor_threads]
     index = jax.process_index() * len(shared.queues) + i  # among all hosts' threads
     groups, states = start_groups(args, index, device, shared.start_update)
     seconds = defaultdict(float, actor_queue_wait=0.0)  # this rollout's timings
     for u in range(shared.start_update, shared.num_updates):
-        # Rollout u feeds update u + 1 and may act with version u - 1 (lag 1); --no-policy-lag waits for u.
+        # Rollout u feeds update u + 1 and may act with version u - 1; --no-policy-lag waits for u.
         with timer(seconds, "actor_params_wait"):
             version, params = shared.store.wait(u - int(args.policy_lag), shared.stop)
         stats = ActorStats(returns=[], lengths=[], lag=u - version, seconds=seconds)
@@ -547,7 +529,7 @@ def actor_thread(args, shared, i):
         shared.stop.set()
 
 
-# ---- Learning (learner devices): one PPO update in one compiled call ------------------------
+# ---- Learning (learner devices): one PPO update in one compiled call
 
 class TrainState(NamedTuple):
     params: dict
@@ -560,7 +542,7 @@ def learning_rate(args, num_updates, update):  # update 0 is the first
 
 
 def make_optimizer(args, num_updates):
-    """Adam with global-norm clipping; its learning rate steps down once per update, not per step."""
+    """Adam; its learning rate steps down once per update, not per step."""
     steps_per_update = args.update_epochs * args.num_minibatches
     lr = lambda count: learning_rate(args, num_updates, count // steps_per_update)
     return optax.chain(optax.clip_by_global_norm(args.max_grad_norm), optax.adam(lr, eps=1e-5))
@@ -573,7 +555,7 @@ def init_state(key, args, env_info, num_updates):
 
 
 def prox_log_probs(params, samples, chunks):
-    """log pi_prox(a | s) of every sample at the update's start, in `chunks` pieces: no more memory than a minibatch."""
+    """log pi_prox of every sample, in `chunks` pieces to bound memory."""
     split = lambda x: x.reshape(chunks, -1, *x.shape[1:])
     logp = jax.lax.map(lambda c: log_prob(apply(params, c[0])[0], c[1]), (split(samples.obs), split(samples.actions)))
     return logp.reshape(-1)
@@ -590,7 +572,7 @@ def learner_update(state, rollout, args, optimizer):
     params, opt_state, key = state
     samples = samples._replace(prox_logprobs=prox_log_probs(params, samples, args.num_minibatches))
     losses = []
-    # Python loops, unrolled inside the jit: on XLA:CPU a conv gradient inside lax.scan runs far slower (jax 12868).
+    # Python loops, not lax.scan: on XLA:CPU a conv gradient in a scan runs far slower (jax 12868).
     for _ in range(args.update_epochs):
         key, sub = jax.random.split(key)
         order = jax.random.permutation(sub, samples.actions.shape[0]).reshape(args.num_minibatches, -1)
@@ -607,20 +589,19 @@ def learner_update(state, rollout, args, optimizer):
 
 
 def make_update(args, mesh, num_updates):
-    """One update on every learner device of every host, one compiled call."""
     body = partial(learner_update, args=args, optimizer=make_optimizer(args, num_updates))
-    # check_vma=False: the body sums the devices' gradients itself; with the check on, JAX would already
-    # have summed those of the replicated (P()) parameters.
+    # check_vma=False: the body psums the gradients itself; with the check, JAX would already have summed
+    # those of the replicated (P()) parameters.
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P(None, "devices")), out_specs=(P(), P()),
                                  check_vma=False))
 
 
-# ---- The device mapping: actor and learner devices on every host, rollouts between them ----
+# ---- The device mapping
 
 class Layout(NamedTuple):
     actor_devices: list  # this host's
     learner_devices: list  # this host's, in mesh order
-    mesh: Mesh  # the learner devices of every host, one axis "devices"
+    mesh: Mesh  # every host's learner devices, one axis "devices"
     num_envs: int  # of all hosts
 
 
@@ -668,10 +649,10 @@ def local(tree):
     return jax.tree.map(lambda x: x.addressable_shards[0].data, tree)
 
 
-# ---- The learner loop (main thread): rollouts in, updates, parameters out ----------------
+# ---- The learner loop (main thread)
 
 def receive(shared):
-    """Every local actor thread's (rollout parts, ActorStats); None once a stop signal is caught."""
+    """Each local actor thread's (parts, ActorStats); None once a stop signal is caught."""
     with contextlib.suppress(Stopped):
         return [until_stopped(q.get, lambda: shared.stop.is_set() or bool(shared.caught)) for q in shared.queues]
     if shared.stop.is_set():  # an actor thread failed
@@ -680,14 +661,13 @@ def receive(shared):
 
 
 def learn(args, shared, state):
-    """The learner (paper section 4): receive rollouts, update, publish, report. Returns the state and last row."""
     update_fn, start, row = make_update(args, shared.layout.mesh, shared.num_updates), time.perf_counter(), {}
     window = Window(start=start, actors=[], losses=[], learner=[])
     for update in range(shared.start_update + 1, shared.num_updates + 1):
         seconds = defaultdict(float)
         with timer(seconds, "learner_queue_wait"):
             received = receive(shared)
-        checkpoint(args, shared, state, update - 1)  # the safe point between updates: may exit
+        checkpoint(args, shared, state, update - 1)  # the safe point: may exit
         with timer(seconds, "learner_time"):
             state, losses = update_fn(state, assemble([parts for parts, _ in received], shared.layout))
             shared.store.publish(update, state.params)
@@ -704,7 +684,7 @@ def learn(args, shared, state):
 
 def checkpoint(args, shared, state, update, last=False):
     """The safe point after `update`: a checkpoint when due or `last`; on a stop signal in any process, one and exit."""
-    def write():  # process 0 alone fetches the replicated state: the others would only pay the transfer
+    def write():  # process 0 alone fetches: the others would only pay the transfer
         if shared.run.checkpoint is not None:
             save(shared.run, {"state": jax.device_get(local(state)), "update": np.int64(update),
                               "global_step": np.int64(update * shared.batch)}, args)
@@ -714,7 +694,7 @@ def checkpoint(args, shared, state, update, last=False):
 
 
 def initial_state(args, env_info, layout, batch):
-    """The TrainState on every learner device, fresh or --resume's, and the update it starts after."""
+    """The replicated TrainState, fresh or --resume's, and the update it starts after."""
     init = partial(init_state, jax.random.PRNGKey(args.seed), args, env_info, args.total_timesteps // batch)
     template = {"state": jax.eval_shape(init), "update": np.int64(0), "global_step": np.int64(0)}
     ckpt = load(args, template, batch, "a checkpoint of sebulba_ppo_atari.py?") if args.resume else None
@@ -724,7 +704,7 @@ def initial_state(args, env_info, layout, batch):
     return state, int(ckpt["update"]) if ckpt else 0
 
 
-# ---- The metrics: CleanRL's names and Cleanba's timing scalars -----------------------------
+# ---- The metrics: CleanRL's names and Cleanba's timing scalars
 
 class Window(NamedTuple):  # since the last metrics row
     start: float  # time.perf_counter()
@@ -734,7 +714,6 @@ class Window(NamedTuple):  # since the last metrics row
 
 
 def report(args, shared, window, update, start):
-    """Log the window's means (of the lag: its largest) as a metrics row; returns it."""
     mean = lambda xs: float(np.mean(xs))
     row = {"global_step": update * shared.batch, "update": update,
            "charts/SPS": len(window.losses) * shared.batch / (time.perf_counter() - window.start),
@@ -751,10 +730,9 @@ def report(args, shared, window, update, start):
     return row
 
 
-# ---- This script's flags ------------------------------------------------------------------
+# ---- This script's flags
 
 def check_args(args):
-    """Flag checks; returns the args and the EnvInfo."""
     env_info = describe_env(args.env_id, args.machado)
     check_flags(args, unit=("gamma", "gae_lambda"), positive=("learning_rate",))
     if min(env_info.obs_shape[1:]) < 3:
@@ -763,7 +741,7 @@ def check_args(args):
 
 
 def check_sizes(args, layout, env_info):
-    """Counts that must divide or fit; returns the steps of one update."""
+    """Counts that must divide or fit; returns the steps per update."""
     n_learners = len(layout.learner_devices)
     if args.local_num_envs % n_learners:
         fail(f"--local-num-envs {args.local_num_envs} must divide evenly across {n_learners} learner devices")
@@ -785,7 +763,7 @@ def check_sizes(args, layout, env_info):
     return batch
 
 
-# ---- The run: actor threads feed the learner (main thread) through bounded queues ---------
+# ---- The run
 
 def main(args):
     caught = catch_stop_signals()
@@ -806,10 +784,10 @@ def main(args):
         f"learner devices {[d.id for d in layout.learner_devices]} x {jax.process_count()} host(s)")
     try:
         state, row = learn(args, shared, state)
-    except Stopped:  # an actor thread failed: its traceback, then exit status 1
+    except Stopped:  # an actor thread failed
         exit_now(1, run, "".join(shared.errors).rstrip())
     finally:
-        shared.stop.set()  # the actor threads end
+        shared.stop.set()
     for t in threads:
         t.join(timeout=10)
     checkpoint(args, shared, state, num_updates, last=True)
