@@ -1,6 +1,7 @@
 """Anakin on Catch: the Podracer paper's own example (Hessel et al. 2021, section 3).
 
-Catch is in JAX, so acting and learning are one XLA program:
+Catch is in JAX, so acting and learning are one XLA program: `lane_loss` (one env lane's rollout scored with
+Q(lambda)) is vmapped over a device's lanes, fori_looped over updates and shard_mapped over devices:
 
     host (Python)          one call = `--log-every` updates, no return to Python between them
     -------------          ---------------------------------------------------------------------
@@ -37,7 +38,7 @@ from functools import partial
 from pathlib import Path
 from typing import NamedTuple
 
-STOP_PIPE = os.pipe()  # from now on a stop signal only writes its number here (catch_stop_signals reads it)
+STOP_PIPE = os.pipe()  # set before the slow `import jax`: stop signals only write their numbers here
 if __name__ == "__main__":
     os.set_blocking(STOP_PIPE[1], False)
     signal.set_wakeup_fd(STOP_PIPE[1])
@@ -58,7 +59,7 @@ from tensorboardX.summary import scalar
 
 @dataclasses.dataclass
 class Args:
-    env_id: str = "Catch"  # the only one here
+    env_id: str = "Catch"  # the only env in this file; names the run folder
     seed: int = 1  # seeds parameters, envs and exploration
     total_timesteps: int = 16_000_000  # env steps, all hosts together
     learning_rate: float = 1e-4  # Adam step size
@@ -69,11 +70,11 @@ class Args:
     q_lambda: float = 0.99  # lambda of the returns
     epsilon: float = 0.01  # probability of a random action (the colab's: 0)
     log_every: int = 10  # updates per compiled call and log line
-    checkpoint_every: int = 100  # updates between checkpoints (also one at the end)
-    # Read by the plumbing only:
+    checkpoint_every: int = 100  # updates between checkpoints, taken at the next log line (and one at the end)
+    # Read by the plumbing appendix only:
     exp_name: str = Path(__file__).stem  # part of the run folder's name
     run_dir: str = "runs"  # parent folder of run folders
-    resume: str | None = None  # checkpoint.npz to continue from, up to --total-timesteps
+    resume: str | None = None  # checkpoint.npz to continue from, with the same flags, up to --total-timesteps
     distributed: bool = False  # call jax.distributed.initialize() (multi-host)
     coordinator_address: str | None = None  # host:port of process 0 (JAX finds it on SLURM, Cloud TPU, Kubernetes)
     num_processes: int | None = None  # number of processes (multi-host)
@@ -372,7 +373,8 @@ def fail(message):
 
 
 def check_flags(args, unit=(), positive=()):
-    """Counts fit the compiled programs' int32 (the step budget: int64)."""
+    """Counts fit the compiled programs' int32 (the step budget: int64); floats finite, >= 0 (`unit` <= 1,
+    `positive` > 0); --resume a file."""
     for name, value in dataclasses.asdict(args).items():
         top = 2**62 if name == "total_timesteps" else 2**31
         if type(value) is int and name not in ("seed", "num_processes", "process_id") and not 1 <= value < top:
@@ -419,8 +421,9 @@ def start_distributed(args, caught):
             socket.create_server(("", int(address.rpartition(":")[2]))).close()
         except (OSError, ValueError, OverflowError) as e:
             fail(f"--coordinator-address {address}: process 0 cannot listen there ({getattr(e, 'strerror', e)})")
+    # JAX's own timeout aborts the process: set past --peer-timeout, so that ours ends the wait first
     joining = ThreadPoolExecutor(1).submit(jax.distributed.initialize, address, args.num_processes, args.process_id,
-                                           initialization_timeout=args.peer_timeout + 60)  # JAX's aborts: ours first
+                                           initialization_timeout=args.peer_timeout + 60)
     say(f"waiting for {args.num_processes or 'all'} processes at {address or 'the address JAX detects'} (at most "
         f"--peer-timeout {args.peer_timeout} s)")
     deadline = time.monotonic() + args.peer_timeout
@@ -515,7 +518,7 @@ def catch_stop_signals():
     return caught
 
 
-def safe_point(caught, update, run, checkpoint, due):
+def safe_point(caught, updates_done, run, checkpoint, due):
     """`checkpoint()` if `due`; if any process caught a stop signal, all checkpoint and exit."""
     if due:
         checkpoint()
@@ -525,7 +528,7 @@ def safe_point(caught, update, run, checkpoint, due):
     if signum and not due:
         checkpoint()
     if signum:
-        exit_now(128 + signum, run, f"stopped by {signal.Signals(signum).name} after update {update}")
+        exit_now(128 + signum, run, f"stopped by {signal.Signals(signum).name} after update {updates_done}")
 
 
 def flat(tree):
@@ -576,13 +579,13 @@ def load(args, template, batch, hint):
     for name in [n for n in now if n not in free and saved.get(n) != now[n]]:
         fail(f"{resume} comes from a run with --{name.replace('_', '-')} {json.dumps(saved.get(name))}, not "
              f"{json.dumps(now[name])} (a resumed run may change only budget, logging, checkpoint and folder flags)")
-    update = int(arrays["update"])
-    if update < 0:
-        fail(f"{resume} is damaged: it holds update {update}")
-    if arrays["global_step"] != update * batch:
+    done = int(arrays["update"])
+    if done < 0:
+        fail(f"{resume} is damaged: it holds update {done}")
+    if arrays["global_step"] != done * batch:
         fail(f"{resume} comes from a run whose updates were not of {batch:,} steps (another number of hosts?)")
-    if update >= args.total_timesteps // batch:
-        fail(f"{resume} is at update {update} of {args.total_timesteps // batch}: raise --total-timesteps to go on")
+    if done >= args.total_timesteps // batch:
+        fail(f"{resume} is at update {done} of {args.total_timesteps // batch}: raise --total-timesteps to go on")
     return jax.tree.unflatten(jax.tree.structure(template), [arrays[name] for name in flat(template)])
 
 
@@ -605,9 +608,9 @@ def exit_now(code, run, line):
     os._exit(code)
 
 
-def check_finite(losses, update, run):
+def check_finite(losses, updates_done, run):
     if bad := {name: float(value) for name, value in losses.items() if not math.isfinite(value)}:
-        exit_now(1, run, f"error: non-finite loss at update {update} ({bad})")
+        exit_now(1, run, f"error: non-finite loss at update {updates_done} ({bad})")
 
 
 def say(line):

@@ -1,6 +1,7 @@
 """PPO in the Anakin architecture (Hessel et al. 2021, section 3) on environments written in JAX.
 
-The envs are in JAX, so rollouts and PPO's epochs (Schulman et al. 2017) are one XLA program:
+The envs are in JAX, so rollouts and PPO's epochs (Schulman et al. 2017) are one XLA program: `update` (one
+agent's rollout and epochs on one device) is fori_looped over updates, vmapped over seeds, shard_mapped over devices:
 
     host (Python)      one call = `--log-every` updates of every seed, no return to Python between
     -------------      -----------------------------------------------------------------------------
@@ -42,7 +43,7 @@ from functools import partial
 from pathlib import Path
 from typing import Callable, NamedTuple
 
-STOP_PIPE = os.pipe()  # from now on a stop signal only writes its number here (catch_stop_signals reads it)
+STOP_PIPE = os.pipe()  # set before the slow `import jax`: stop signals only write their numbers here
 if __name__ == "__main__":
     os.set_blocking(STOP_PIPE[1], False)
     signal.set_wakeup_fd(STOP_PIPE[1])
@@ -68,7 +69,7 @@ class Args:
     num_seeds: int = 1  # independent agents, side by side (vmap)
     total_timesteps: int | None = None  # env steps of one agent (None: CartPole-v1 500_000, Pendulum-v1 1_000_000)
     learning_rate: float | None = None  # Adam step size (None: CartPole-v1 2.5e-4, Pendulum-v1 1e-3)
-    anneal_lr: bool = True  # decay the step size linearly to zero
+    anneal_lr: bool = True  # decay the step size linearly to zero over the run
     num_envs_per_device: int | None = None  # envs per agent and device (None: CartPole-v1 4, Pendulum-v1 32)
     num_devices: int | None = None  # devices per host (None: all)
     num_steps: int | None = None  # rollout length (None: CartPole-v1 128, Pendulum-v1 128)
@@ -77,13 +78,13 @@ class Args:
     gamma: float | None = None  # discount (None: CartPole-v1 0.99, Pendulum-v1 0.95)
     gae_lambda: float = 0.95  # GAE's lambda
     clip_coef: float = 0.2  # PPO's ratio (and value) clip range
-    clip_vloss: bool | None = None  # clip around old values (None: CartPole-v1 True, Pendulum-v1 False)
-    ent_coef: float | None = None  # entropy bonus (None: CartPole-v1 0.01, Pendulum-v1 0.0)
+    clip_vloss: bool | None = None  # clip the value loss around old values (None: CartPole-v1 True, Pendulum-v1 False)
+    ent_coef: float | None = None  # entropy bonus coefficient (None: CartPole-v1 0.01, Pendulum-v1 0.0)
     vf_coef: float = 0.5  # value loss coefficient
     max_grad_norm: float = 0.5  # global-norm gradient clip
     log_every: int = 50  # updates per compiled call and log line
-    checkpoint_every: int = 500  # updates between checkpoints (also one at the end)
-    # Read by the plumbing only:
+    checkpoint_every: int = 500  # updates between checkpoints, taken at the next log line (and one at the end)
+    # Read by the plumbing appendix only:
     exp_name: str = Path(__file__).stem  # part of the run folder's name
     run_dir: str = "runs"  # parent folder of run folders
     resume: str | None = None  # checkpoint.npz to continue from, with the same flags, up to --total-timesteps
@@ -174,7 +175,7 @@ class EnvState(NamedTuple):
 
 
 class Step(NamedTuple):
-    obs: jax.Array  # a new episode's first if this one ended
+    obs: jax.Array  # what the agent sees next: a new episode's first obs if this one ended
     final_obs: jax.Array  # before any reset, to bootstrap from
     reward: jax.Array
     terminated: jax.Array  # a terminal state, of value zero
@@ -535,10 +536,11 @@ def initial_state(args, env, mesh, steps_per_update):
     return partial(place, ckpt["state"], mesh), shapes, int(ckpt["update"])
 
 
-def compile_train(args, env, mesh, shapes, first, num_updates, run):
+def compile_train(args, env, mesh, shapes, start_update, num_updates, run):
     """Compiled ahead, out of SPS; refused if it cannot fit."""
     tic = time.time()
-    train = make_train(args, env, mesh, num_updates).lower(shapes, np.int32(first), np.int32(args.log_every)).compile()
+    lowered = make_train(args, env, mesh, num_updates).lower(shapes, np.int32(start_update), np.int32(args.log_every))
+    train = lowered.compile()
     say(f"compiled in {time.time() - tic:.1f}s")
     used = train.memory_analysis()
     check_fits(used.temp_size_in_bytes + used.argument_size_in_bytes + used.output_size_in_bytes,
@@ -577,15 +579,15 @@ def main(args: Args) -> dict:
     mesh = pick_devices(args)
     steps_per_update = args.num_steps * args.num_envs_per_device * mesh.size
     num_updates = args.total_timesteps // steps_per_update
-    make_state, shapes, first = initial_state(args, env, mesh, steps_per_update)
+    make_state, shapes, start_update = initial_state(args, env, mesh, steps_per_update)
     run = open_run(args)
-    train = compile_train(args, env, mesh, shapes, first, num_updates, run)
+    train = compile_train(args, env, mesh, shapes, start_update, num_updates, run)
     state = make_state()
-    updates_done, n, start, row = first, 0, time.time(), {}
+    updates_done, n, start_time, row = start_update, 0, time.time(), {}
     while updates_done < num_updates:
-        # Between calls: a checkpoint past each multiple of --checkpoint-every; a stop signal ends here.
+        due = updates_done // args.checkpoint_every > (updates_done - n) // args.checkpoint_every  # a multiple passed
         safe_point(caught, updates_done, run, partial(checkpoint, args, run, state, updates_done, steps_per_update),
-                   due=updates_done % args.checkpoint_every < n)
+                   due=due)
         n = min(args.log_every, num_updates - updates_done)
         tic = time.time()
         state, stats = train(state, np.int32(updates_done), np.int32(n))
@@ -595,7 +597,7 @@ def main(args: Args) -> dict:
         lr = learning_rate(args, num_updates, updates_done - 1)  # of the call's last update
         row = {"global_step": updates_done * steps_per_update, "update": updates_done, **metrics_row(stats, n, lr, sps)}
         check_finite({name: value for name, value in row.items() if name.startswith("losses/")}, updates_done, run)
-        eta = (time.time() - start) / (updates_done - first) * (num_updates - updates_done)
+        eta = (time.time() - start_time) / (updates_done - start_update) * (num_updates - updates_done)
         log(run, row, num_updates, num_updates * steps_per_update, eta)
     safe_point(caught, updates_done, run, partial(checkpoint, args, run, state, updates_done, steps_per_update),
                due=True)
@@ -612,7 +614,8 @@ def fail(message):
 
 
 def check_flags(args, unit=(), positive=()):
-    """Counts fit the compiled programs' int32 (the step budget: int64)."""
+    """Counts fit the compiled programs' int32 (the step budget: int64); floats finite, >= 0 (`unit` <= 1,
+    `positive` > 0); --resume a file."""
     for name, value in dataclasses.asdict(args).items():
         top = 2**62 if name == "total_timesteps" else 2**31
         if type(value) is int and name not in ("seed", "num_processes", "process_id") and not 1 <= value < top:
@@ -659,8 +662,9 @@ def start_distributed(args, caught):
             socket.create_server(("", int(address.rpartition(":")[2]))).close()
         except (OSError, ValueError, OverflowError) as e:
             fail(f"--coordinator-address {address}: process 0 cannot listen there ({getattr(e, 'strerror', e)})")
+    # JAX's own timeout aborts the process: set past --peer-timeout, so that ours ends the wait first
     joining = ThreadPoolExecutor(1).submit(jax.distributed.initialize, address, args.num_processes, args.process_id,
-                                           initialization_timeout=args.peer_timeout + 60)  # JAX's aborts: ours first
+                                           initialization_timeout=args.peer_timeout + 60)
     say(f"waiting for {args.num_processes or 'all'} processes at {address or 'the address JAX detects'} (at most "
         f"--peer-timeout {args.peer_timeout} s)")
     deadline = time.monotonic() + args.peer_timeout
@@ -755,7 +759,7 @@ def catch_stop_signals():
     return caught
 
 
-def safe_point(caught, update, run, checkpoint, due):
+def safe_point(caught, updates_done, run, checkpoint, due):
     """`checkpoint()` if `due`; if any process caught a stop signal, all checkpoint and exit."""
     if due:
         checkpoint()
@@ -765,7 +769,7 @@ def safe_point(caught, update, run, checkpoint, due):
     if signum and not due:
         checkpoint()
     if signum:
-        exit_now(128 + signum, run, f"stopped by {signal.Signals(signum).name} after update {update}")
+        exit_now(128 + signum, run, f"stopped by {signal.Signals(signum).name} after update {updates_done}")
 
 
 def flat(tree):
@@ -816,13 +820,13 @@ def load(args, template, batch, hint):
     for name in [n for n in now if n not in free and saved.get(n) != now[n]]:
         fail(f"{resume} comes from a run with --{name.replace('_', '-')} {json.dumps(saved.get(name))}, not "
              f"{json.dumps(now[name])} (a resumed run may change only budget, logging, checkpoint and folder flags)")
-    update = int(arrays["update"])
-    if update < 0:
-        fail(f"{resume} is damaged: it holds update {update}")
-    if arrays["global_step"] != update * batch:
+    done = int(arrays["update"])
+    if done < 0:
+        fail(f"{resume} is damaged: it holds update {done}")
+    if arrays["global_step"] != done * batch:
         fail(f"{resume} comes from a run whose updates were not of {batch:,} steps (another number of hosts?)")
-    if update >= args.total_timesteps // batch:
-        fail(f"{resume} is at update {update} of {args.total_timesteps // batch}: raise --total-timesteps to go on")
+    if done >= args.total_timesteps // batch:
+        fail(f"{resume} is at update {done} of {args.total_timesteps // batch}: raise --total-timesteps to go on")
     return jax.tree.unflatten(jax.tree.structure(template), [arrays[name] for name in flat(template)])
 
 
@@ -845,9 +849,9 @@ def exit_now(code, run, line):
     os._exit(code)
 
 
-def check_finite(losses, update, run):
+def check_finite(losses, updates_done, run):
     if bad := {name: float(value) for name, value in losses.items() if not math.isfinite(value)}:
-        exit_now(1, run, f"error: non-finite loss at update {update} ({bad})")
+        exit_now(1, run, f"error: non-finite loss at update {updates_done} ({bad})")
 
 
 def say(line):

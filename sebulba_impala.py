@@ -41,7 +41,7 @@ from functools import cache, partial
 from pathlib import Path
 from typing import Literal, NamedTuple
 
-STOP_PIPE = os.pipe()  # stop signals write their numbers here (catch_stop_signals)
+STOP_PIPE = os.pipe()  # set before the slow `import jax`: stop signals only write their numbers here
 if __name__ == "__main__":
     os.set_blocking(STOP_PIPE[1], False)
     signal.set_wakeup_fd(STOP_PIPE[1])
@@ -75,7 +75,7 @@ class Args:
     seed: int = 1  # seeds parameters, envs and sampling
     total_timesteps: int | None = None  # agent steps, all hosts (default: 10M images, 300k vectors)
     learning_rate: float | None = None  # RMSProp step size (default: 6e-4 images, 5e-3 vectors)
-    anneal_lr: bool = True  # linearly to 0
+    anneal_lr: bool = True  # decay the step size linearly to 0 over the run
     actor_device_ids: list[int] | None = None  # local device indices that act (default: 0)
     learner_device_ids: list[int] | None = None  # local device indices that learn (default: the others, else 0)
     num_actor_threads: int = 2  # per actor device: one steps envs while another acts
@@ -92,15 +92,15 @@ class Args:
     machado: bool = False  # Machado et al. (2018): sticky actions, full action set, no life loss
     log_every: int | None = None  # updates between metrics rows (default: 10 images, 40 vectors)
     checkpoint_every: int = 100  # updates between checkpoints (and one at the end)
-    # Read by the plumbing appendix only.
-    exp_name: str = Path(__file__).stem  # in the run folder's name
+    # Read by the plumbing appendix only:
+    exp_name: str = Path(__file__).stem  # part of the run folder's name
     run_dir: str = "runs"  # parent folder of run folders
-    resume: str | None = None  # checkpoint.npz to continue from (envs start afresh)
+    resume: str | None = None  # checkpoint.npz to continue from, with the same flags (envs start afresh)
     distributed: bool = False  # call jax.distributed.initialize() (multi-host)
-    coordinator_address: str | None = None  # host:port of process 0 (found on SLURM, Cloud TPU, Kubernetes)
+    coordinator_address: str | None = None  # host:port of process 0 (JAX finds it on SLURM, Cloud TPU, Kubernetes)
     num_processes: int | None = None  # number of processes (multi-host)
     process_id: int | None = None  # this process's index (multi-host)
-    peer_timeout: int = 300  # seconds to wait for all processes
+    peer_timeout: int = 300  # seconds to wait for all processes to join
 
 
 # For flags left at None. Images: the IMPALA paper's (appendix G). Vectors: large steps, many, as RMSProp moves a
@@ -235,7 +235,7 @@ def conv_init(key, c_in, c_out, size=3):
 
 
 def init_params(key, obs_shape, num_actions, network):
-    keys, torso = iter(jax.random.split(key, 32)), {}  # one a layer: the i-th is the same for any count
+    keys, torso = iter(jax.random.split(key, 32)), {}  # a key a layer: split's i-th key is the same for any count
     if network == "mlp":
         for head in ("policy", "value"):  # unshared: value errors would swamp the policy
             torso[f"{head}0"] = dense_init(next(keys), obs_shape[0], 64, np.sqrt(2))
@@ -428,6 +428,7 @@ def collect(args, groups, params, states, stats):
 
 
 def start_groups(args, index, device, start_update):
+    """Actor thread `index`'s env groups (with --async-envs two halves that take turns, else one), first states."""
     num_groups = 2 if args.async_envs else 1
     n = args.local_num_envs // num_groups
     groups, states = [], []
@@ -530,8 +531,8 @@ class TrainState(NamedTuple):
     opt_state: optax.OptState
 
 
-def learning_rate(args, num_updates, update):  # update 0 is the first
-    return args.learning_rate * (1.0 - update / num_updates if args.anneal_lr else 1.0)
+def learning_rate(args, num_updates, update_index):  # 0 is the first update
+    return args.learning_rate * (1.0 - update_index / num_updates if args.anneal_lr else 1.0)
 
 
 def make_optimizer(args, num_updates):
@@ -636,7 +637,7 @@ def learn(args, shared, state):
         seconds = defaultdict(float)
         with timer(seconds, "learner_queue_wait"):
             received = receive(shared)
-        checkpoint(args, shared, state, update - 1)  # the safe point: may exit
+        safe_point_after(args, shared, state, update - 1)  # on a stop signal (received is None) it exits
         with timer(seconds, "learner_time"):
             state, losses = update_fn(state, assemble([parts for parts, _ in received], shared.layout))
             shared.store.publish(update, state.params)
@@ -651,7 +652,7 @@ def learn(args, shared, state):
     return state, row
 
 
-def checkpoint(args, shared, state, update, last=False):
+def safe_point_after(args, shared, state, update, last=False):
     """The safe point after `update`: a checkpoint when due or `last`; on a stop signal in any process, one and exit."""
     def write():  # process 0 alone fetches: the others would only pay the transfer
         if shared.run.checkpoint is not None:
@@ -766,7 +767,7 @@ def main(args):
         shared.stop.set()
     for t in threads:
         t.join(timeout=10)
-    checkpoint(args, shared, state, num_updates, last=True)
+    safe_point_after(args, shared, state, num_updates, last=True)
     row["checksum"] = checksum(state.params)
     say(f"checksum {row['checksum']}")
     return row
@@ -780,7 +781,8 @@ def fail(message):
 
 
 def check_flags(args, unit=(), positive=()):
-    """Counts fit the compiled programs' int32 (the step budget: int64)."""
+    """Counts fit the compiled programs' int32 (the step budget: int64); floats finite, >= 0 (`unit` <= 1,
+    `positive` > 0); --resume a file."""
     for name, value in dataclasses.asdict(args).items():
         top = 2**62 if name == "total_timesteps" else 2**31
         if type(value) is int and name not in ("seed", "num_processes", "process_id") and not 1 <= value < top:
@@ -827,8 +829,9 @@ def start_distributed(args, caught):
             socket.create_server(("", int(address.rpartition(":")[2]))).close()
         except (OSError, ValueError, OverflowError) as e:
             fail(f"--coordinator-address {address}: process 0 cannot listen there ({getattr(e, 'strerror', e)})")
+    # JAX's own timeout aborts the process: set past --peer-timeout, so that ours ends the wait first
     joining = ThreadPoolExecutor(1).submit(jax.distributed.initialize, address, args.num_processes, args.process_id,
-                                           initialization_timeout=args.peer_timeout + 60)  # JAX's aborts: ours first
+                                           initialization_timeout=args.peer_timeout + 60)
     say(f"waiting for {args.num_processes or 'all'} processes at {address or 'the address JAX detects'} (at most "
         f"--peer-timeout {args.peer_timeout} s)")
     deadline = time.monotonic() + args.peer_timeout
@@ -923,7 +926,7 @@ def catch_stop_signals():
     return caught
 
 
-def safe_point(caught, update, run, checkpoint, due):
+def safe_point(caught, updates_done, run, checkpoint, due):
     """`checkpoint()` if `due`; if any process caught a stop signal, all checkpoint and exit."""
     if due:
         checkpoint()
@@ -933,7 +936,7 @@ def safe_point(caught, update, run, checkpoint, due):
     if signum and not due:
         checkpoint()
     if signum:
-        exit_now(128 + signum, run, f"stopped by {signal.Signals(signum).name} after update {update}")
+        exit_now(128 + signum, run, f"stopped by {signal.Signals(signum).name} after update {updates_done}")
 
 
 def flat(tree):
@@ -984,13 +987,13 @@ def load(args, template, batch, hint):
     for name in [n for n in now if n not in free and saved.get(n) != now[n]]:
         fail(f"{resume} comes from a run with --{name.replace('_', '-')} {json.dumps(saved.get(name))}, not "
              f"{json.dumps(now[name])} (a resumed run may change only budget, logging, checkpoint and folder flags)")
-    update = int(arrays["update"])
-    if update < 0:
-        fail(f"{resume} is damaged: it holds update {update}")
-    if arrays["global_step"] != update * batch:
+    done = int(arrays["update"])
+    if done < 0:
+        fail(f"{resume} is damaged: it holds update {done}")
+    if arrays["global_step"] != done * batch:
         fail(f"{resume} comes from a run whose updates were not of {batch:,} steps (another number of hosts?)")
-    if update >= args.total_timesteps // batch:
-        fail(f"{resume} is at update {update} of {args.total_timesteps // batch}: raise --total-timesteps to go on")
+    if done >= args.total_timesteps // batch:
+        fail(f"{resume} is at update {done} of {args.total_timesteps // batch}: raise --total-timesteps to go on")
     return jax.tree.unflatten(jax.tree.structure(template), [arrays[name] for name in flat(template)])
 
 
@@ -1013,9 +1016,9 @@ def exit_now(code, run, line):
     os._exit(code)
 
 
-def check_finite(losses, update, run):
+def check_finite(losses, updates_done, run):
     if bad := {name: float(value) for name, value in losses.items() if not math.isfinite(value)}:
-        exit_now(1, run, f"error: non-finite loss at update {update} ({bad})")
+        exit_now(1, run, f"error: non-finite loss at update {updates_done} ({bad})")
 
 
 def say(line):
