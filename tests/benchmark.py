@@ -66,7 +66,7 @@ def catch_worker(envs, iters):
     catch = load("anakin_catch.py")
     args = catch.Args(num_envs_per_device=envs)
     mesh = Mesh(np.array(jax.devices()), ("devices",))
-    init, _ = catch.init_on_mesh(args, mesh, envs * mesh.size)
+    init = lambda: catch.initial_state(args, mesh, envs * mesh.size)[0]  # noqa: E731
     state = init()
 
     def rollouts(state):  # the same vmapped rollouts with their forward passes, no learning
