@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import ROOT, _env, catches, command, error_line, load, run, spawn
+from conftest import ROOT, _env, catches, command, error_line, load, run, spawn, spawn_two_hosts
 
 SCRIPTS = ["anakin_catch.py", "anakin_ppo.py", "sebulba_impala.py", "sebulba_ppo_atari.py"]
 # The smallest real run of each script, and the steps of one of its updates.
@@ -102,6 +102,22 @@ def test_sigterm_stops_after_the_next_update_with_a_checkpoint_that_resumes(tmp_
                   tmp_path)
     assert resumed.returncode == 0, resumed.output[-3000:]
     assert [row["update"] for row in resumed.metrics] == [stopped + 1, stopped + 2]
+
+
+def test_a_signal_to_one_host_stops_every_host_after_the_same_update(tmp_path):
+    procs, _ = spawn_two_hosts("anakin_catch.py", quick("anakin_catch.py"), tmp_path, devices=1)
+    try:
+        for line in procs[0].stdout:  # process 0 prints the progress lines
+            if line.startswith("update 20/"):
+                break
+        procs[1].send_signal(signal.SIGTERM)
+        outputs = [proc.communicate(timeout=120)[0] for proc in procs]
+    finally:
+        for proc in procs:
+            proc.kill()
+    assert [proc.returncode for proc in procs] == [143, 143], outputs
+    stops = [re.findall(r"^stopped by SIGTERM after update (\d+)", out, re.M) for out in outputs]
+    assert stops[0] == stops[1] and len(stops[0]) == 1, outputs
 
 
 HANGING_ENV = '''
