@@ -43,6 +43,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from tensorboardX import SummaryWriter
 
+
 @dataclasses.dataclass
 class Args:
     env_id: str = "Catch"  # the only env here
