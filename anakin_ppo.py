@@ -1,10 +1,9 @@
-"""PPO in the Anakin architecture (Hessel et al. 2021, section 3) on environments written in JAX.
+"""PPO (Schulman et al. 2017) in the Anakin architecture (Hessel et al. 2021, section 3).
 
-The envs are in JAX, so rollouts and PPO's epochs (Schulman et al. 2017) are one XLA program: `update` (one
-agent's rollout and epochs on one device) is fori_looped over updates, vmapped over seeds, shard_mapped over devices:
+The envs are in JAX, so rollouts and PPO's epochs are one XLA program:
 
-    host (Python)      one call = `--log-every` updates of every seed, no return to Python between
-    -------------      -----------------------------------------------------------------------------
+    host (Python)      one call = `--log-every` updates of every seed
+    -------------      ---------------------------------------------------------------------
                        device 0                            device 1  ...  (every host)
     init / resume -->  params, Adam state (one copy/seed)  params, Adam state (same copies)
                        envs 0..E-1 of each seed            envs E..2E-1 of each seed
@@ -15,15 +14,15 @@ agent's rollout and epochs on one device) is fori_looped over updates, vmapped o
                                 <-- psum: mean, std of the minibatch on all devices -->
                            grads of the PPO loss               grads of the PPO loss
                                 <------ pmean over "devices" (all hosts) ------>
-                           Adam step (identical everywhere)    Adam step
+                           Adam step                           Adam step
     log, checkpoint <- episode returns (psum), losses (pmean), per seed
 
-Read in this order:
-1. `Env` and `env_step`: an env in JAX, with a generic time limit, auto-reset and `final_obs`.
-2. `gae`, `policy_loss`, `value_loss` and `ppo_loss`: the loss, each piece tested against NumPy.
-3. `rollout`, `gradient_steps` and `update`: one agent's PPO update on one device, the Anakin unit.
-4. `make_train`: that unit looped over updates, vmapped over seeds and shard_mapped over devices.
-5. `main`: the run, call after call; the plumbing appendix after it can be skipped.
+Reading order:
+1. `Env`, `env_step`: a JAX env, its time limit, auto-reset and `final_obs`.
+2. `gae`, `policy_loss`, `value_loss`, `ppo_loss`: the loss.
+3. `rollout`, `gradient_steps`, `update`: one agent's update on one device, the Anakin unit.
+4. `make_train`: `update` looped over updates, vmapped over seeds, shard_mapped over devices.
+5. `main`, the run; skip the plumbing after it.
 
     python anakin_ppo.py
     python anakin_ppo.py --env-id Pendulum-v1 --num-seeds 8
@@ -39,6 +38,7 @@ import re
 import signal
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from typing import Callable, NamedTuple
 
@@ -57,46 +57,46 @@ class Args:
     env_id: str = "CartPole-v1"  # CartPole-v1 (discrete) or Pendulum-v1 (continuous)
     seed: int = 1  # agent i of --num-seeds draws from (seed, i)
     num_seeds: int = 1  # independent agents, side by side (vmap)
-    # None: the env's own value, from its `defaults` in ENVS (CartPole: CleanRL's; Pendulum: rl-zoo's).
-    total_timesteps: int | None = None  # env steps of one agent (None: CartPole-v1 500_000, Pendulum-v1 1_000_000)
-    learning_rate: float | None = None  # Adam step size (None: CartPole-v1 2.5e-4, Pendulum-v1 1e-3)
-    anneal_lr: bool = True  # decay the step size linearly to zero over the run
-    num_envs_per_device: int | None = None  # envs per agent and device (None: CartPole-v1 4, Pendulum-v1 32)
-    num_devices: int | None = None  # devices per host (None: all)
-    num_steps: int | None = None  # rollout length (None: CartPole-v1 128, Pendulum-v1 128)
-    update_epochs: int | None = None  # passes over each rollout (None: CartPole-v1 4, Pendulum-v1 10)
-    num_minibatches: int | None = None  # minibatches per epoch on each device (None: CartPole-v1 4, Pendulum-v1 32)
-    gamma: float | None = None  # discount (None: CartPole-v1 0.99, Pendulum-v1 0.95)
+    # None: the env's own, from ENVS.
+    total_timesteps: int | None = None  # env steps of one agent (CartPole-v1 500_000, Pendulum-v1 1_000_000)
+    learning_rate: float | None = None  # Adam step size (CartPole-v1 2.5e-4, Pendulum-v1 1e-3)
+    anneal_lr: bool = True  # the step size falls linearly to zero
+    num_envs_per_device: int | None = None  # envs per agent and device (CartPole-v1 4, Pendulum-v1 32)
+    num_devices: int | None = None  # per host (default: all)
+    num_steps: int | None = None  # rollout length (CartPole-v1 128, Pendulum-v1 128)
+    update_epochs: int | None = None  # passes over each rollout (CartPole-v1 4, Pendulum-v1 10)
+    num_minibatches: int | None = None  # per epoch and device (CartPole-v1 4, Pendulum-v1 32)
+    gamma: float | None = None  # discount (CartPole-v1 0.99, Pendulum-v1 0.95)
     gae_lambda: float = 0.95  # GAE's lambda
     clip_coef: float = 0.2  # PPO's ratio (and value) clip range
-    clip_vloss: bool | None = None  # clip the value loss around old values (None: CartPole-v1 True, Pendulum-v1 False)
-    ent_coef: float | None = None  # entropy bonus coefficient (None: CartPole-v1 0.01, Pendulum-v1 0.0)
+    clip_vloss: bool | None = None  # clip the value loss (CartPole-v1 True, Pendulum-v1 False)
+    ent_coef: float | None = None  # entropy bonus (CartPole-v1 0.01, Pendulum-v1 0.0)
     vf_coef: float = 0.5  # value loss coefficient
     max_grad_norm: float = 0.5  # global-norm gradient clip
     log_every: int = 50  # updates per compiled call and log line
-    checkpoint_every: int = 500  # updates between checkpoints, taken at the next log line (and one at the end)
-    # Read by the plumbing appendix only:
-    exp_name: str = Path(__file__).stem  # part of the run folder's name
+    checkpoint_every: int = 500  # updates between checkpoints
+    # The plumbing section's:
+    exp_name: str = Path(__file__).stem  # in the run folder's name
     run_dir: str = "runs"  # parent folder of run folders
-    resume: str | None = None  # checkpoint.npz to continue from, with the same flags, up to --total-timesteps
+    resume: str | None = None  # a checkpoint.npz to continue
     distributed: bool = False  # call jax.distributed.initialize() (multi-host)
-    coordinator_address: str | None = None  # host:port of process 0 (JAX finds it on SLURM, Cloud TPU, Kubernetes)
-    num_processes: int | None = None  # number of processes (multi-host)
-    process_id: int | None = None  # this process's index (multi-host)
+    coordinator_address: str | None = None  # host:port of process 0 (multi-host)
+    num_processes: int | None = None
+    process_id: int | None = None  # this process's index
 
 
 # ---- The environments: JAX copies of gymnasium 1.4's CartPole and Pendulum
-# Bring your own: an `Env`. The time limit, auto-reset and episode statistics are generic (`env_step`).
+# Bring your own `Env`: `env_step` adds time limit, auto-reset and episode statistics.
 
 class Env(NamedTuple):
     reset: Callable  # key -> state, any pytree of arrays
-    step: Callable  # (state, action) -> (state, reward, terminated), no time limit or reset
+    step: Callable  # (state, action) -> (state, reward, terminated), no time limit
     observe: Callable  # state -> observation [obs_size] float32
     obs_size: int
     action_size: int  # actions, or the action's dimension if continuous
-    continuous: bool  # a Gaussian policy if so, else a categorical one
+    continuous: bool  # Gaussian policy, else categorical
     max_steps: int  # then the episode is truncated, not terminated
-    defaults: dict  # the values of the flags left at None for this env
+    defaults: dict  # of the flags left at None
 
 
 # CartPole (Barto et al. 1983), gymnasium's constants and Euler steps.
@@ -116,7 +116,8 @@ def cartpole_step(state, action):
     temp = (force + POLE_MOMENT * theta_dot**2 * sin) / TOTAL_MASS
     theta_acc = (GRAVITY * sin - cos * temp) / (HALF_LENGTH * (4.0 / 3.0 - MASS_POLE * cos**2 / TOTAL_MASS))
     x_acc = temp - POLE_MOMENT * theta_acc * cos / TOTAL_MASS
-    state = jnp.stack([x + TAU * x_dot, x_dot + TAU * x_acc, theta + TAU * theta_dot, theta_dot + TAU * theta_acc])
+    state = jnp.stack([x + TAU * x_dot, x_dot + TAU * x_acc,
+                       theta + TAU * theta_dot, theta_dot + TAU * theta_acc])
     terminated = (jnp.abs(state[0]) > X_LIMIT) | (jnp.abs(state[2]) > THETA_LIMIT)
     return state, jnp.float32(1.0), terminated
 
@@ -126,7 +127,8 @@ MAX_SPEED, MAX_TORQUE, DT, G = 8.0, 2.0, 0.05, 10.0  # mass and length are 1
 
 
 def pendulum_reset(key):
-    return jax.random.uniform(key, (2,), minval=jnp.array([-jnp.pi, -1.0]), maxval=jnp.array([jnp.pi, 1.0]))
+    return jax.random.uniform(key, (2,), minval=jnp.array([-jnp.pi, -1.0]),
+                              maxval=jnp.array([jnp.pi, 1.0]))
 
 
 def pendulum_step(state, action):
@@ -134,7 +136,8 @@ def pendulum_step(state, action):
     u = jnp.clip(action[0], -MAX_TORQUE, MAX_TORQUE)
     angle = (theta + jnp.pi) % (2 * jnp.pi) - jnp.pi
     cost = angle**2 + 0.1 * theta_dot**2 + 0.001 * u**2
-    theta_dot = jnp.clip(theta_dot + (3 * G / 2 * jnp.sin(theta) + 3.0 * u) * DT, -MAX_SPEED, MAX_SPEED)
+    theta_dot = theta_dot + (3 * G / 2 * jnp.sin(theta) + 3.0 * u) * DT
+    theta_dot = jnp.clip(theta_dot, -MAX_SPEED, MAX_SPEED)
     return jnp.stack([theta + theta_dot * DT, theta_dot]), -cost, jnp.bool_(False)
 
 
@@ -142,18 +145,18 @@ def pendulum_observe(state):
     return jnp.stack([jnp.cos(state[0]), jnp.sin(state[0]), state[1]])
 
 
-# CartPole's defaults are CleanRL's. Pendulum's are rl-zoo's: gamma 0.95, as a swing-up takes ~100 steps.
+# CartPole's defaults are CleanRL's; Pendulum's rl-zoo's (gamma 0.95: a swing-up takes ~100 steps).
 ENVS = {
-    "CartPole-v1": Env(reset=cartpole_reset, step=cartpole_step, observe=lambda state: state, obs_size=4,
-                       action_size=2, continuous=False, max_steps=500,
-                       defaults=dict(total_timesteps=500_000, learning_rate=2.5e-4, num_envs_per_device=4,
-                                     num_steps=128, update_epochs=4, num_minibatches=4, gamma=0.99,
-                                     clip_vloss=True, ent_coef=0.01)),
-    "Pendulum-v1": Env(reset=pendulum_reset, step=pendulum_step, observe=pendulum_observe, obs_size=3,
-                       action_size=1, continuous=True, max_steps=200,
-                       defaults=dict(total_timesteps=1_000_000, learning_rate=1e-3, num_envs_per_device=32,
-                                     num_steps=128, update_epochs=10, num_minibatches=32, gamma=0.95,
-                                     clip_vloss=False, ent_coef=0.0)),
+    "CartPole-v1": Env(
+        reset=cartpole_reset, step=cartpole_step, observe=lambda state: state, obs_size=4, action_size=2,
+        continuous=False, max_steps=500,
+        defaults=dict(total_timesteps=500_000, learning_rate=2.5e-4, num_envs_per_device=4, num_steps=128,
+                      update_epochs=4, num_minibatches=4, gamma=0.99, clip_vloss=True, ent_coef=0.01)),
+    "Pendulum-v1": Env(
+        reset=pendulum_reset, step=pendulum_step, observe=pendulum_observe, obs_size=3, action_size=1,
+        continuous=True, max_steps=200,
+        defaults=dict(total_timesteps=1_000_000, learning_rate=1e-3, num_envs_per_device=32, num_steps=128,
+                      update_epochs=10, num_minibatches=32, gamma=0.95, clip_vloss=False, ent_coef=0.0)),
 }
 
 
@@ -164,7 +167,7 @@ class EnvState(NamedTuple):
 
 
 class Step(NamedTuple):
-    obs: jax.Array  # what the agent sees next: a new episode's first obs if this one ended
+    obs: jax.Array  # what the agent sees next: a new episode's if this one ended
     final_obs: jax.Array  # before any reset, to bootstrap from
     reward: jax.Array
     terminated: jax.Array  # a terminal state, of value zero
@@ -179,7 +182,7 @@ def env_reset(env, key):
 
 
 def env_step(env, env_state, action, fresh):
-    """Where the episode ends, the env goes on from `fresh`, an `env_reset(env, key)` drawn beforehand."""
+    """Where the episode ends, go on from `fresh`, an `env_reset(env, key)`."""
     inner, reward, terminated = env.step(env_state.inner, action)
     t, ep_return = env_state.t + 1, env_state.ep_return + reward
     truncated = t >= env.max_steps
@@ -188,20 +191,21 @@ def env_step(env, env_state, action, fresh):
     fresh_state, first_obs = fresh
     going_on = EnvState(inner=inner, t=t, ep_return=ep_return)
     env_state = jax.tree.map(lambda a, b: jnp.where(done, a, b), fresh_state, going_on)
-    step = Step(obs=jnp.where(done, first_obs, final_obs), final_obs=final_obs, reward=reward, terminated=terminated,
-                truncated=truncated, ep_return=jnp.where(done, ep_return, 0.0), ep_length=jnp.where(done, t, 0))
+    step = Step(obs=jnp.where(done, first_obs, final_obs), final_obs=final_obs, reward=reward,
+                terminated=terminated, truncated=truncated, ep_return=jnp.where(done, ep_return, 0.0),
+                ep_length=jnp.where(done, t, 0))
     return env_state, step
 
 
 # ---- The network: actor and critic MLPs (64, 64, tanh), CleanRL's initialisation
 
 def init_mlp(rng, sizes, last_scale):
-    """Orthogonal weights and zero biases, drawn in NumPy: XLA takes seconds to compile a QR decomposition."""
+    """Orthogonal weights, zero biases; NumPy's, as XLA takes seconds to compile a QR."""
     params = {}
     for i, (n_in, n_out) in enumerate(zip(sizes[:-1], sizes[1:])):
         scale = last_scale if i == len(sizes) - 2 else math.sqrt(2)
         q, r = np.linalg.qr(rng.standard_normal((max(n_in, n_out), min(n_in, n_out))))
-        q *= np.sign(np.diag(r))  # makes the draw uniform over orthogonal matrices
+        q *= np.sign(np.diag(r))  # uniform over orthogonal matrices
         w = scale * (q if n_in >= n_out else q.T)
         params[f"layer{i}"] = {"w": w.astype(np.float32), "b": np.zeros(n_out, np.float32)}
     return params
@@ -227,10 +231,10 @@ def apply(params, obs):
     return mlp(params["actor"], obs), mlp(params["critic"], obs)[..., 0]
 
 
-# ---- The policy: categorical over discrete actions, a diagonal Gaussian over continuous ones
+# ---- The policy: categorical, or a diagonal Gaussian over continuous actions
 
 def draw_noise(env, key, shape):
-    """The randomness of `sample`, [..., A]: a rollout draws all its steps' at once."""
+    """`sample`'s randomness [..., A], drawn for a whole rollout at once."""
     return jax.random.normal(key, shape) if env.continuous else jax.random.gumbel(key, shape)
 
 
@@ -249,7 +253,8 @@ def log_prob(env, params, out, action):
 
 def entropy(env, params, out):
     if env.continuous:
-        return jnp.sum(jnp.broadcast_to(0.5 + 0.5 * math.log(2 * math.pi) + params["log_std"], out.shape), axis=-1)
+        per_dim = 0.5 + 0.5 * math.log(2 * math.pi) + params["log_std"]
+        return jnp.sum(jnp.broadcast_to(per_dim, out.shape), axis=-1)
     log_p = jax.nn.log_softmax(out)
     return -jnp.sum(jnp.exp(log_p) * log_p, axis=-1)
 
@@ -257,8 +262,8 @@ def entropy(env, params, out):
 # ---- The loss: GAE (Schulman et al. 2016) and PPO's clipped objective (2017)
 
 def gae(rewards, values, next_values, terminated, done, gamma, lam):
-    """Advantages and value targets [T, B]. Only a termination zeroes the bootstrap `next_values`, not a
-    time-limit cut (as many JAX PPOs do); any end (`done`) stops the lambda-chain."""
+    """Advantages and value targets [T, B]. Only a termination zeroes the bootstrap (many JAX PPOs
+    zero it at a cut too); any end (`done`) stops the lambda-chain."""
     deltas = rewards + gamma * next_values * (1.0 - terminated) - values
 
     def backward(adv_next, x):
@@ -274,7 +279,8 @@ def policy_loss(new_log_prob, old_log_prob, advantages, clip_coef):
     """Clipped surrogate loss, approx. KL (Schulman's k3) and clip fraction."""
     log_ratio = new_log_prob - old_log_prob
     ratio = jnp.exp(log_ratio)
-    loss = jnp.maximum(-advantages * ratio, -advantages * jnp.clip(ratio, 1 - clip_coef, 1 + clip_coef)).mean()
+    clipped = jnp.clip(ratio, 1 - clip_coef, 1 + clip_coef)
+    loss = jnp.maximum(-advantages * ratio, -advantages * clipped).mean()
     approx_kl = ((ratio - 1) - log_ratio).mean()
     clipfrac = (jnp.abs(ratio - 1) > clip_coef).mean()
     return loss, approx_kl, clipfrac
@@ -307,8 +313,8 @@ class Losses(NamedTuple):
 
 
 def normalize(advantages):
-    """Over the minibatch's rows on all devices: normalised per device, N devices would run another algorithm
-    than one. Under `vmap` each seed's psum sums that seed's own rows."""
+    """Over the minibatch's rows on all devices, so N devices run the algorithm of one. Under vmap,
+    a psum sums each seed's own."""
     n = jax.lax.psum(jnp.float32(advantages.size), "devices")
     mean = jax.lax.psum(advantages.sum(), "devices") / n
     var = jax.lax.psum(((advantages - mean) ** 2).sum(), "devices") / n
@@ -323,7 +329,8 @@ def ppo_loss(params, batch, args, env):
     v_loss = value_loss(values, batch.value, batch.target, args.clip_coef, args.clip_vloss)
     ent = entropy(env, params, out).mean()
     loss = pg_loss - args.ent_coef * ent + args.vf_coef * v_loss
-    return loss, Losses(policy_loss=pg_loss, value_loss=v_loss, entropy=ent, approx_kl=approx_kl, clipfrac=clipfrac)
+    losses = Losses(policy_loss=pg_loss, value_loss=v_loss, entropy=ent, approx_kl=approx_kl, clipfrac=clipfrac)
+    return loss, losses
 
 
 # ---- Acting and learning on one device: the Anakin unit
@@ -336,8 +343,7 @@ class Trajectory(NamedTuple):
     step: Step
 
 
-class TrainState(NamedTuple):
-    """One agent, from update to update."""
+class TrainState(NamedTuple):  # one agent's
     params: dict
     opt_state: optax.OptState
     env_state: EnvState  # leaves [E, ...]
@@ -354,14 +360,13 @@ class Stats(NamedTuple):
 
 
 def learning_rate(args, num_updates, update_index):
-    """CleanRL's step size: with --anneal-lr it falls linearly to zero over the run, one step per update."""
     return args.learning_rate * (1.0 - update_index / num_updates if args.anneal_lr else 1.0)
 
 
 def make_optimizer(args, num_updates):
-    """Adam on the clipped gradient. Flattened, each step runs a few kernels on one vector instead of a few on
-    each of the 13 arrays: CartPole trains 1.4x faster here (and the default runs' checksums depend on it)."""
-    steps = args.update_epochs * args.num_minibatches  # Adam's steps in one update
+    """Adam on the clipped gradient, flattened into one vector: a few kernels a step instead of a few
+    per array trained CartPole 1.4x faster."""
+    steps = args.update_epochs * args.num_minibatches  # in one update
     adam = optax.adam(lambda count: learning_rate(args, num_updates, count // steps), eps=1e-5)
     return optax.flatten(optax.chain(optax.clip_by_global_norm(args.max_grad_norm), adam))
 
@@ -369,14 +374,14 @@ def make_optimizer(args, num_updates):
 def init_state(key, params, args, env, num_envs):
     k_envs, k_run = jax.random.split(key)
     env_state, obs = jax.vmap(lambda k: env_reset(env, k))(jax.random.split(k_envs, num_envs))
-    opt_state = make_optimizer(args, num_updates=1).init(params)  # the schedule shapes no state
+    opt_state = make_optimizer(args, num_updates=1).init(params)  # the schedule shapes nothing
     return TrainState(params=params, opt_state=opt_state, env_state=env_state, obs=obs, key=k_run)
 
 
 def rollout(params, env_state, obs, k_act, k_reset, args, env):
     num_envs = obs.shape[0]
-    # Each env draws a new episode at every step and keeps it only where its episode ended: under vmap a
-    # branch would run both sides anyway, and all the randomness of T steps comes in two draws.
+    # Each env and step draws a new episode, used where an episode ended: under vmap a branch would
+    # run both sides anyway.
     noise = draw_noise(env, k_act, (args.num_steps, num_envs, env.action_size))
     resets = jax.random.split(k_reset, (args.num_steps, num_envs))
     fresh = jax.vmap(jax.vmap(lambda k: env_reset(env, k)))(resets)
@@ -384,29 +389,28 @@ def rollout(params, env_state, obs, k_act, k_reset, args, env):
     def act_and_step(carry, x):
         env_state, obs = carry
         noise, fresh = x
-        out = mlp(params["actor"], obs)  # the actor alone: the critic runs once, after the rollout
+        out = mlp(params["actor"], obs)  # the critic runs once, after the rollout
         action = sample(env, params, out, noise)
         env_state, step = jax.vmap(lambda s, a, f: env_step(env, s, a, f))(env_state, action, fresh)
-        traj = Trajectory(obs=obs, action=action, old_log_prob=log_prob(env, params, out, action), step=step)
-        return (env_state, step.obs), traj
+        old_log_prob = log_prob(env, params, out, action)
+        return (env_state, step.obs), Trajectory(obs=obs, action=action, old_log_prob=old_log_prob, step=step)
 
     (env_state, obs), traj = jax.lax.scan(act_and_step, (env_state, obs), (noise, fresh))
     return env_state, obs, traj
 
 
 def permutations(key, num, n):
-    """`num` permutations of range(n), [num, n]: a sort by `words` random uint32 keys, the row index in the
-    last one's low bits. Ties would keep time order: 2 log2(n) + 32 random bits make them rarer than 2^-33.
-    Measured here, 4 shuffles of 2048 envs' 262,144 rows took 0.59 s, jax.random.permutation's 1.0 s."""
+    """`num` permutations of range(n), [num, n]: a sort by random keys, the row index in the last key's
+    low bits (ties rarer than 2^-33). jax.random.permutation took 1.7x as long (4 x 262,144 rows)."""
     bits = max(1, (n - 1).bit_length())
-    words = 1 + -(-3 * bits // 32)  # ceil: 32 * words - bits >= 2 * bits + 32
+    words = 1 + -(-3 * bits // 32)  # 32 * words - bits >= 2 * bits + 32
     keys = list(jax.random.bits(key, (words, num, n)))
     keys[-1] = (keys[-1] << bits) | jnp.arange(n, dtype=jnp.uint32)
     return (jax.lax.sort(keys, num_keys=words)[-1] & ((1 << bits) - 1)).astype(jnp.int32)
 
 
 def gradient_steps(params, opt_state, batch, key, optimizer, args, env):
-    """Epochs of shuffled minibatches of `batch`, a step each, with all devices' mean gradient."""
+    """Epochs of shuffled minibatches, a step each on all devices' mean gradient."""
     def sgd_step(carry, minibatch):
         params, opt_state = carry
         grads, losses = jax.grad(ppo_loss, has_aux=True)(params, minibatch, args, env)
@@ -416,7 +420,8 @@ def gradient_steps(params, opt_state, batch, key, optimizer, args, env):
 
     n = len(batch.obs)
     order = permutations(key, args.update_epochs, n).reshape(-1)  # epoch after epoch
-    minibatches = jax.tree.map(lambda x: x[order].reshape(-1, n // args.num_minibatches, *x.shape[1:]), batch)
+    size = n // args.num_minibatches
+    minibatches = jax.tree.map(lambda x: x[order].reshape(-1, size, *x.shape[1:]), batch)
     (params, opt_state), losses = jax.lax.scan(sgd_step, (params, opt_state), minibatches)
     return params, opt_state, losses
 
@@ -424,32 +429,36 @@ def gradient_steps(params, opt_state, batch, key, optimizer, args, env):
 def update(state, optimizer, args, env):
     """One PPO update of one agent on one device."""
     key, k_device = jax.random.split(state.key)
-    k_act, k_reset, k_perm = jax.random.split(jax.random.fold_in(k_device, jax.lax.axis_index("devices")), 3)
+    k_device = jax.random.fold_in(k_device, jax.lax.axis_index("devices"))
+    k_act, k_reset, k_perm = jax.random.split(k_device, 3)
     env_state, obs, traj = rollout(state.params, state.env_state, state.obs, k_act, k_reset, args, env)
     # V(obs) and V(final_obs), [T, E] each, in one pass.
-    values, next_values = mlp(state.params["critic"], jnp.stack([traj.obs, traj.step.final_obs]))[..., 0]
-    done = (traj.step.terminated | traj.step.truncated).astype(jnp.float32)
-    advantages, targets = gae(traj.step.reward, values, next_values, traj.step.terminated.astype(jnp.float32), done,
+    step = traj.step
+    values, next_values = mlp(state.params["critic"], jnp.stack([traj.obs, step.final_obs]))[..., 0]
+    done = (step.terminated | step.truncated).astype(jnp.float32)
+    advantages, targets = gae(step.reward, values, next_values, step.terminated.astype(jnp.float32), done,
                               args.gamma, args.gae_lambda)
     batch = Batch(obs=traj.obs, action=traj.action, old_log_prob=traj.old_log_prob, value=values,
                   advantage=advantages, target=targets)
     batch = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), batch)  # [T*E, ...]
-    params, opt_state, losses = gradient_steps(state.params, state.opt_state, batch, k_perm, optimizer, args, env)
+    params, opt_state, losses = gradient_steps(state.params, state.opt_state, batch, k_perm, optimizer, args,
+                                               env)
     stats = Stats(losses=jax.lax.pmean(jax.tree.map(jnp.mean, losses), "devices"),
-                  return_sum=jax.lax.psum(traj.step.ep_return.sum(), "devices"),
-                  length_sum=jax.lax.psum(traj.step.ep_length.sum(), "devices"),
+                  return_sum=jax.lax.psum(step.ep_return.sum(), "devices"),
+                  length_sum=jax.lax.psum(step.ep_length.sum(), "devices"),
                   episodes=jax.lax.psum(done.sum(), "devices"))
     return TrainState(params=params, opt_state=opt_state, env_state=env_state, obs=obs, key=key), stats
 
 
-def metrics_row(stats, n, lr, sps):
+def metrics_row(stats, n, lr):
     """CleanRL's names; `stats` are sums over `n` updates, leaves [seeds]."""
     stats = jax.tree.map(np.asarray, stats)
-    row = {"charts/SPS": sps, "charts/learning_rate": lr,
-           **{f"losses/{name}": float(np.mean(value) / n) for name, value in stats.losses._asdict().items()}}
+    row = {"charts/learning_rate": lr}
+    row.update({f"losses/{name}": float(np.mean(x) / n) for name, x in stats.losses._asdict().items()})
     if stats.episodes.min() > 0:  # every seed ended episodes
         returns = stats.return_sum / stats.episodes
-        row.update({"charts/episodic_return": float(returns.mean()), "charts/episodic_return_min": float(returns.min()),
+        row.update({"charts/episodic_return": float(returns.mean()),
+                    "charts/episodic_return_min": float(returns.min()),
                     "charts/episodic_return_max": float(returns.max()),
                     "charts/episodic_length": float((stats.length_sum / stats.episodes).mean())})
         if len(returns) > 1:
@@ -460,11 +469,12 @@ def metrics_row(stats, n, lr, sps):
 # ---- The device mapping: loop updates, vmap seeds, shard_map devices
 
 # Leaves [seeds, (envs), ...]: parameters replicated, envs split.
-STATE_SPECS = TrainState(params=P(), opt_state=P(), env_state=P(None, "devices"), obs=P(None, "devices"), key=P())
+STATE_SPECS = TrainState(params=P(), opt_state=P(), env_state=P(None, "devices"), obs=P(None, "devices"),
+                         key=P())
 
 
 def make_train(args, env, mesh, num_updates):
-    """`n` updates of every seed, Stats summed. `n` is traced: one compilation serves every call."""
+    """`n` updates of every seed. `n` is an argument, so one compilation serves every call."""
     optimizer = make_optimizer(args, num_updates)
 
     def train(state, n):
@@ -478,76 +488,60 @@ def make_train(args, env, mesh, num_updates):
         zeros = Stats(losses=losses, return_sum=zero, length_sum=jnp.int32(0), episodes=zero)
         return jax.lax.fori_loop(0, n, one_update, (state, zeros))
 
-    # check_vma=False: the body pmeans the replicated params' gradients; the check would sum them first.
+    # check_vma=True would sum the replicated params' gradients over devices before our pmean.
     sharded = jax.shard_map(jax.vmap(train, in_axes=(0, None)), mesh=mesh, in_specs=(STATE_SPECS, P()),
                             out_specs=(STATE_SPECS, P()), check_vma=False)
-    # LLVM's -O1 on CPU compiled a call about 3x faster than its default -O2 here and runs as fast (the
-    # default runs' checksums were taken with it: -O2 changes Pendulum's last bits).
+    # LLVM -O1 on CPU: 2-3x faster compiles here, runs as fast; -O2 changes Pendulum's checksum.
     options = {"xla_backend_optimization_level": 1} if jax.default_backend() == "cpu" else {}
     return jax.jit(sharded, donate_argnums=0, compiler_options=options)
 
 
-def shardings(mesh):
-    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), STATE_SPECS)
-
-
-def init_on_mesh(args, env, mesh, num_envs):
-    """Every seed's compiled init on the mesh, and its shapes."""
-    keys = jax.random.split(jax.random.PRNGKey(args.seed), args.num_seeds)
-    params = [init_params(np.random.default_rng([args.seed, i]), env) for i in range(args.num_seeds)]
-    params = jax.tree.map(lambda *p: np.stack(p), *params)
-    init = jax.jit(jax.vmap(lambda k, p: init_state(k, p, args, env, num_envs)), out_shardings=shardings(mesh))
-    return lambda: init(keys, params), jax.eval_shape(init, keys, params)
-
-
 def pick_devices(args):
+    """The first --num-devices of every host, on one mesh axis."""
     local = jax.local_devices()
     n = len(local) if args.num_devices is None else args.num_devices
     if not 1 <= n <= len(local):
         fail(f"--num-devices {n} is not possible: this host has {len(local)} device(s)")
-    hosts = [[d for d in jax.devices() if d.process_index == p][:n] for p in range(jax.process_count())]
-    return Mesh(np.array(hosts).reshape(-1), ("devices",))
+    hosts = [[d for d in jax.devices() if d.process_index == p] for p in range(jax.process_count())]
+    return Mesh(np.array([d for host in hosts for d in host[:n]]), ("devices",))
 
 
-def initial_state(args, env, mesh):
-    """Every seed's TrainState on the mesh, fresh or --resume's, and the updates it has done."""
-    init, shapes = init_on_mesh(args, env, mesh, args.num_envs_per_device * mesh.size)
+def initial_state(args, env, mesh, num_envs):
+    """Every seed's TrainState on the mesh, fresh or resumed; its updates done."""
+    shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), STATE_SPECS)
+    keys = jax.random.split(jax.random.PRNGKey(args.seed), args.num_seeds)
+    params = [init_params(np.random.default_rng([args.seed, i]), env) for i in range(args.num_seeds)]
+    params = jax.tree.map(lambda *p: np.stack(p), *params)  # [seeds, ...]
+    init = partial(init_state, args=args, env=env, num_envs=num_envs)
+    init = jax.jit(jax.vmap(init), out_shardings=shardings)
     if not args.resume:
-        return init(), 0
+        return init(keys, params), 0
+    shapes = jax.eval_shape(init, keys, params)
     ckpt = load(args, {"state": shapes, "update": np.int64(0), "global_step": np.int64(0)})
-    return jax.device_put(ckpt["state"], jax.tree.broadcast(shardings(mesh), shapes)), int(ckpt["update"])
+    return jax.device_put(ckpt["state"], shardings), int(ckpt["update"])
 
 
-def host_copy(state, update, steps_per_update):
-    """What a checkpoint holds: the TrainState with every host's envs, gathered from all processes."""
-    return {"state": multihost_utils.process_allgather(state, tiled=True), "update": np.int64(update),
-            "global_step": np.int64(update * steps_per_update)}
+def checkpoint(state, updates_done, steps_per_update):
+    """All processes take part: each holds only its devices' envs."""
+    return {"state": multihost_utils.process_allgather(state, tiled=True),
+            "update": np.int64(updates_done), "global_step": np.int64(updates_done * steps_per_update)}
 
 
 # ---- The run
 
 def check_args(args):
-    """The flags left at None take the env's defaults; this script's own constraints, before compiling."""
+    """Flags left at None take the env's defaults; then the script's own constraints."""
     if args.env_id not in ENVS:
-        fail(f"--env-id {args.env_id!r} is not available; this file defines: {', '.join(map(repr, ENVS))}")
+        fail(f"--env-id {args.env_id!r} is not available; this file defines {', '.join(map(repr, ENVS))}")
     defaults = ENVS[args.env_id].defaults
     args = dataclasses.replace(args, **{k: v for k, v in defaults.items() if getattr(args, k) is None})
     rollout_size = args.num_steps * args.num_envs_per_device
-    if rollout_size % args.num_minibatches:
+    if args.num_minibatches < 1 or rollout_size % args.num_minibatches:
         fail(f"--num-minibatches {args.num_minibatches} must divide the rollout on each device, "
              f"--num-steps x --num-envs-per-device = {rollout_size}")
     if args.max_grad_norm <= 0:
-        fail(f"--max-grad-norm {args.max_grad_norm} must be above 0: a gradient clipped to norm 0 trains nothing")
+        fail(f"--max-grad-norm {args.max_grad_norm} must be above 0: clipped to 0, nothing trains")
     return args
-
-
-def count_updates(args, mesh):
-    """The run's updates, and the env steps of one agent in an update (all its devices)."""
-    steps_per_update = args.num_steps * args.num_envs_per_device * mesh.size
-    if args.total_timesteps < steps_per_update:
-        fail(f"--total-timesteps {args.total_timesteps:,} is less than one update: {steps_per_update:,} steps "
-             f"(--num-steps {args.num_steps} x {args.num_envs_per_device} envs x {mesh.size} devices)")
-    return args.total_timesteps // steps_per_update, steps_per_update
 
 
 def main(args: Args) -> dict:
@@ -555,23 +549,29 @@ def main(args: Args) -> dict:
     env = ENVS[args.env_id]
     start_distributed(args)
     mesh = pick_devices(args)
-    num_updates, steps_per_update = count_updates(args, mesh)
-    state, update = initial_state(args, env, mesh)
+    num_envs = args.num_envs_per_device * mesh.size  # of one agent, all hosts'
+    steps_per_update = args.num_steps * num_envs
+    if not 0 < steps_per_update <= args.total_timesteps:
+        fail(f"--total-timesteps {args.total_timesteps:,} is less than one update: {steps_per_update:,} steps "
+             f"(--num-steps {args.num_steps} x {args.num_envs_per_device} envs x {mesh.size} devices)")
+    num_updates = args.total_timesteps // steps_per_update
+    state, updates_done = initial_state(args, env, mesh, num_envs)
     train = make_train(args, env, mesh, num_updates)
+    train = train.lower(state, np.int32(0)).compile()  # before the clock starts
     run, row = open_run(args, num_updates), {}
-    while update < num_updates:
-        n = min(args.log_every, num_updates - update)
+    while updates_done < num_updates:
+        n = min(args.log_every, num_updates - updates_done)
         tic = time.time()
-        state, stats = train(state, np.int32(n))  # n updates of every seed
+        state, stats = train(state, np.int32(n))
         stats = jax.device_get(stats)  # waits for the call
-        update += n
-        sps = n * steps_per_update * args.num_seeds / (time.time() - tic)
-        lr = learning_rate(args, num_updates, update - 1)  # of the call's last update
-        row = {"global_step": update * steps_per_update, "update": update, **metrics_row(stats, n, lr, sps)}
+        updates_done += n
+        row = {"global_step": updates_done * steps_per_update, "update": updates_done,
+               "charts/SPS": n * steps_per_update * args.num_seeds / (time.time() - tic),
+               **metrics_row(stats, n, learning_rate(args, num_updates, updates_done - 1))}
         log(run, row)
-        due = update // args.checkpoint_every > (update - n) // args.checkpoint_every  # a multiple passed
-        safe_point(args, run, update, due, lambda: host_copy(state, update, steps_per_update))
-    safe_point(args, run, update, True, lambda: host_copy(state, update, steps_per_update))
+        # Due after a call that passed a multiple of --checkpoint-every, and after the last.
+        due = updates_done % args.checkpoint_every < n or updates_done == num_updates
+        safe_point(args, run, updates_done, due, partial(checkpoint, state, updates_done, steps_per_update))
     row["checksum"] = checksum(state.params)
     print(f"checksum {row['checksum']}", flush=True)
     return row
