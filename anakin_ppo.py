@@ -569,7 +569,7 @@ def main(args: Args) -> dict:
                "charts/SPS": n * steps_per_update * args.num_seeds / (time.time() - tic),
                **metrics_row(stats, n, learning_rate(args, num_updates, updates_done - 1))}
         log(run, row)
-        # Due after a call that passed a multiple of --checkpoint-every, and after the last.
+        # Due if this call passed a multiple of --checkpoint-every, and after the last.
         due = updates_done % args.checkpoint_every < n or updates_done == num_updates
         safe_point(args, run, updates_done, due, partial(checkpoint, state, updates_done, steps_per_update))
     row["checksum"] = checksum(state.params)
