@@ -263,26 +263,27 @@ def ppo_worker(envs, seeds, updates):
     args = ppo.check_args(ppo.Args(num_envs_per_device=envs, num_seeds=seeds))
     env = ppo.ENVS[args.env_id]
     mesh = Mesh(np.array(jax.devices()), ("devices",))
-    first, n = np.int32(0), np.int32(updates)
+    n = np.int32(updates)
 
     def rollouts(state, n):  # per seed and device: what `update` does before learning
         def one(_, s):
             key, k_act, k_reset = jax.random.split(s.key, 3)
             env_state, obs, traj = ppo.rollout(s.params, s.env_state, s.obs, k_act, k_reset, args, env)
-            used = (traj.obs.sum() + traj.action.sum() + traj.log_prob.sum() + traj.step.final_obs.sum()
+            used = (traj.obs.sum() + traj.action.sum() + traj.old_log_prob.sum() + traj.step.final_obs.sum()
                     + traj.step.reward.sum())
             return s._replace(env_state=env_state, obs=obs, key=jax.random.fold_in(key, used.astype(jnp.int32)))
         return jax.lax.fori_loop(0, n, one, state)
 
     start = time.perf_counter()  # compile time as a user meets it: the init's and the training call's
-    init, _ = ppo.init_on_mesh(args, env, mesh, envs * mesh.size)
-    train = ppo.make_train(args, env, mesh, updates).lower(init(), first, n).compile()
+    state, _ = ppo.initial_state(args, env, mesh, envs * mesh.size)
+    init = lambda: jax.tree.map(jnp.copy, state)  # a fresh copy: the calls donate their state
+    train = ppo.make_train(args, env, mesh, updates).lower(init(), n).compile()
     compile_s = time.perf_counter() - start
     rollout_only = jax.jit(jax.shard_map(jax.vmap(rollouts, in_axes=(0, None)), mesh=mesh,
                                          in_specs=(ppo.STATE_SPECS, P()), out_specs=ppo.STATE_SPECS,
                                          check_vma=False)).lower(init(), n).compile()
     steps = updates * args.num_steps * envs * mesh.size * seeds
-    train_s, rollout_s = best_of(lambda: timed(train, jax.block_until_ready(init()), first, n),
+    train_s, rollout_s = best_of(lambda: timed(train, jax.block_until_ready(init()), n),
                                  lambda: timed(rollout_only, jax.block_until_ready(init()), n))
     return {"train_sps": steps / train_s, "rollout_sps": steps / rollout_s, "train_compile_s": compile_s}
 

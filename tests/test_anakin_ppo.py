@@ -1,6 +1,7 @@
 """Tests of anakin_ppo.py: the JAX envs against gymnasium's, GAE and the PPO loss pieces
 against NumPy, then end-to-end runs (learning, devices, seeds, hosts, resume, bad input)."""
 
+import dataclasses
 import math
 import re
 import signal
@@ -20,16 +21,22 @@ DEFAULT = ppo.check_args(ppo.Args())  # the default flags, CartPole-v1's
 STEPS_PER_UPDATE = DEFAULT.num_steps * DEFAULT.num_envs_per_device
 
 
-def test_help_names_each_envs_value_of_every_flag_left_at_none(capsys):
-    """check_args fills such a flag from DEFAULTS; its --help names the same values."""
+def test_every_env_gives_a_value_to_each_flag_left_at_none_and_help_names_it(capsys):
+    """check_args fills such a flag from the env's record in ENVS; its --help names the same values."""
+    plumbing = {"num_devices", "resume", "coordinator_address", "num_processes", "process_id"}
+    at_none = {f.name for f in dataclasses.fields(ppo.Args) if f.default is None} - plumbing
+    for env_id, env in ppo.ENVS.items():
+        assert set(env.defaults) == at_none, env_id
+        assert all(getattr(ppo.check_args(ppo.Args(env_id=env_id)), name) == env.defaults[name] for name in at_none)
     with pytest.raises(SystemExit):
         tyro.cli(ppo.Args, args=["--help"])
     helptext = " ".join(capsys.readouterr().out.replace("│", " ").split())  # without the box around it
-    for name in ppo.DEFAULTS["CartPole-v1"]:
+    for name in at_none:
         flag_help = helptext.split(f"--{name.replace('_', '-')} {{None")[1].split("(default:")[0]
-        for env_id, defaults in ppo.DEFAULTS.items():
+        for env_id, env in ppo.ENVS.items():
             said = re.search(rf"{env_id} (\S+?)[,)]", flag_help).group(1)
-            assert said == str(defaults[name]) or float(said.replace("_", "")) == defaults[name], (name, env_id)
+            value = env.defaults[name]
+            assert said == str(value) or float(said.replace("_", "")) == value, (name, env_id)
 
 
 # ---- The environments against gymnasium 1.4 ------------------------------------------------
@@ -198,11 +205,15 @@ def test_value_loss_clips_around_old_values_only_when_asked():
     np.testing.assert_allclose(ppo.value_loss(new, old, target, 0.2, True), 0.5 * np.mean([2.8**2, 1.0]), rtol=1e-6)
 
 
+CARTPOLE, PENDULUM = ppo.ENVS["CartPole-v1"], ppo.ENVS["Pendulum-v1"]  # discrete and continuous actions
+
+
 def test_categorical_log_prob_and_entropy():
     logits = jnp.array([[0.0, math.log(3.0)], [1.0, 1.0]])
-    np.testing.assert_allclose(ppo.log_prob({}, logits, jnp.array([1, 0])), np.log([0.75, 0.5]), rtol=1e-6)
+    log_probs = ppo.log_prob(CARTPOLE, {}, logits, jnp.array([1, 0]))
+    np.testing.assert_allclose(log_probs, np.log([0.75, 0.5]), rtol=1e-6)
     expected = [-(0.25 * np.log(0.25) + 0.75 * np.log(0.75)), np.log(2)]
-    np.testing.assert_allclose(ppo.entropy({}, logits), expected, rtol=1e-6)
+    np.testing.assert_allclose(ppo.entropy(CARTPOLE, {}, logits), expected, rtol=1e-6)
 
 
 def test_gaussian_log_prob_and_entropy_match_the_closed_form():
@@ -210,20 +221,22 @@ def test_gaussian_log_prob_and_entropy_match_the_closed_form():
     std = np.exp(log_std)
     density = np.prod(np.exp(-((action - mean) ** 2) / (2 * std**2)) / (std * np.sqrt(2 * np.pi)))
     params = {"log_std": log_std}
-    np.testing.assert_allclose(ppo.log_prob(params, mean, action), np.log(density), rtol=1e-5)
-    np.testing.assert_allclose(ppo.entropy(params, mean), np.sum(0.5 * np.log(2 * np.pi * np.e * std**2)), rtol=1e-6)
+    np.testing.assert_allclose(ppo.log_prob(PENDULUM, params, mean, action), np.log(density), rtol=1e-5)
+    np.testing.assert_allclose(ppo.entropy(PENDULUM, params, mean), np.sum(0.5 * np.log(2 * np.pi * np.e * std**2)),
+                               rtol=1e-6)
 
 
 def test_sampling_follows_the_policy():
     n = 200_000
     logits = jnp.log(jnp.array([0.2, 0.5, 0.3]))
     params = {}
-    noise = ppo.draw_noise(jax.random.PRNGKey(0), params, (n, 3))
-    counts = np.bincount(np.asarray(ppo.sample(params, jnp.broadcast_to(logits, (n, 3)), noise)), minlength=3)
+    noise = ppo.draw_noise(CARTPOLE, jax.random.PRNGKey(0), (n, 3))
+    counts = np.bincount(np.asarray(ppo.sample(CARTPOLE, params, jnp.broadcast_to(logits, (n, 3)), noise)),
+                         minlength=3)
     np.testing.assert_allclose(counts / n, [0.2, 0.5, 0.3], atol=0.005)
     params = {"log_std": jnp.log(jnp.array([0.5]))}
-    noise = ppo.draw_noise(jax.random.PRNGKey(1), params, (n, 1))
-    actions = np.asarray(ppo.sample(params, jnp.full((n, 1), 1.5), noise))
+    noise = ppo.draw_noise(PENDULUM, jax.random.PRNGKey(1), (n, 1))
+    actions = np.asarray(ppo.sample(PENDULUM, params, jnp.full((n, 1), 1.5), noise))
     np.testing.assert_allclose([actions.mean(), actions.std()], [1.5, 0.5], atol=0.005)
 
 
@@ -268,7 +281,7 @@ params = jax.tree.map(lambda *p: np.stack(p), *[ppo.init_params(np.random.defaul
 
 
 def step(params, batch):  # what an update does with one minibatch
-    grads = jax.grad(lambda p: ppo.ppo_loss(p, batch, args)[0])(params)
+    grads = jax.grad(lambda p: ppo.ppo_loss(p, batch, args, env)[0])(params)
     return ppo.normalize(batch.advantage), jax.lax.pmean(grads, "devices")
 
 
@@ -375,8 +388,8 @@ def test_two_hosts_end_with_identical_parameters(tmp_path):
     (["--num-minibatches", 3], "--num-minibatches 3"),
     (["--total-timesteps", 100], "--total-timesteps 100"),
     (["--num-devices", 3], "--num-devices 3"),
-    (["--gamma", 1.5], "--gamma 1.5"),
-    (["--num-envs-per-device", 200_000], "2**24"),
+    (["--num-minibatches", 0], "--num-minibatches 0"),
+    (["--max-grad-norm", 0], "--max-grad-norm 0"),
     (["--resume", "missing.npz"], "missing.npz"),
 ])
 def test_bad_input_is_one_clear_error_line(tmp_path, args, expected):
@@ -386,9 +399,12 @@ def test_bad_input_is_one_clear_error_line(tmp_path, args, expected):
 def test_resuming_a_checkpoint_of_another_configuration_is_a_clear_error(tmp_path):
     first = run(SCRIPT, ["--total-timesteps", STEPS_PER_UPDATE], tmp_path / "a")
     assert first.returncode == 0, first.output[-3000:]
-    line = error_line(run(SCRIPT, ["--num-envs-per-device", 8, "--resume", first.run_dir / "checkpoint.npz"],
-                          tmp_path / "b"))
-    assert "does not match this run" in line
+    ckpt = first.run_dir / "checkpoint.npz"
+    line = error_line(run(SCRIPT, ["--num-envs-per-device", 8, "--resume", ckpt], tmp_path / "b"))
+    assert "its run had --num-envs-per-device 4" in line
+    # The same flags on 2 devices: twice the envs, other shapes.
+    line = error_line(run(SCRIPT, ["--resume", ckpt], tmp_path / "c", devices=2))
+    assert "state/env_state" in line and "is not" in line
 
 
 def test_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path):
@@ -398,15 +414,15 @@ def test_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_pa
             "--checkpoint-every", 1, "--total-timesteps", 10**7]
     result = run(SCRIPT, args, tmp_path)
     assert result.returncode == 1, result.output[-3000:]
-    assert "error: non-finite loss at update 2" in result.output
+    assert re.search(r"error: the run diverged: non-finite losses/\w+.* at update 2", result.output)
     with np.load(result.run_dir / "checkpoint.npz", allow_pickle=False) as f:
         assert int(f["update"]) == 1
         assert all(np.isfinite(f[k]).all() for k in f if k.startswith("state/params"))
 
 
-def test_ctrl_c_finishes_the_call_writes_a_checkpoint_and_exits(tmp_path):
-    args = ["--total-timesteps", 50_000_000, "--log-every", 5, "--run-dir", tmp_path / "runs"]
-    proc = spawn(SCRIPT, args, tmp_path)
+def test_ctrl_c_after_the_first_update_checkpoints_at_the_next_call_exits_130_and_resumes(tmp_path):
+    args = ["--total-timesteps", 50_000_000, "--log-every", 5]
+    proc = spawn(SCRIPT, [*args, "--run-dir", tmp_path / "runs"], tmp_path)
     try:
         for line in proc.stdout:  # training has started: interrupt it
             if line.startswith("update "):
@@ -415,7 +431,12 @@ def test_ctrl_c_finishes_the_call_writes_a_checkpoint_and_exits(tmp_path):
         output = line + proc.communicate(timeout=300)[0]
     finally:
         proc.kill()
-    assert proc.returncode == 130 and "stopped by SIGINT after update" in output, output[-3000:]
-    with np.load(next((tmp_path / "runs").glob("*/checkpoint.npz")), allow_pickle=False) as f:
-        updates = int(f["update"])
-    assert updates > 0 and updates % 5 == 0  # the state after a whole call
+    assert proc.returncode == 130, output[-3000:]
+    stopped = int(re.search(r"stopped by SIGINT after update (\d+)", output)[1])
+    ckpt = next((tmp_path / "runs").glob("*/checkpoint.npz"))
+    with np.load(ckpt, allow_pickle=False) as f:
+        assert int(f["update"]) == stopped and stopped % 5 == 0  # the state after a whole call
+    budget = (stopped + 5) * STEPS_PER_UPDATE
+    resumed = run(SCRIPT, [*args[2:], "--total-timesteps", budget, "--resume", ckpt], tmp_path / "resumed")
+    assert resumed.returncode == 0, resumed.output[-3000:]
+    assert [m["update"] for m in resumed.metrics] == [stopped + 5]
