@@ -10,14 +10,13 @@
                                         (device_put, bounded queue)  V-trace loss, summed over the
                                                                      batch, grads psum'd over all
                                    <------------------------------  new params (one update later)
-    Actors act with parameters at most one update old (stats/param_lag); V-trace corrects it.
 
 Reading order:
-    1. `actor` and `collect`: an actor thread's loop (wait for parameters, act, step, store, queue).
-    2. `learn`: the learner's loop (take rollouts, update, publish, log, checkpoint).
-    3. `learner_update`, `impala_loss` and `vtrace`: one update, its loss, the paper's recursion.
-    4. `apply`, the networks; `env_step`, envpool and gymnasium behind one interface.
-    5. `main`, the table of contents; the plumbing appendix after it may be skipped.
+    1. `actor`, `collect`: an actor thread (wait for parameters, act, step, store, queue).
+    2. `learn`: the learner (take rollouts, update, publish, log, checkpoint).
+    3. `learner_update`, `impala_loss`, `vtrace`: an update, its loss, the paper's recursion.
+    4. `apply` (the networks), `env_step` (envpool or gymnasium).
+    5. `main`, the table of contents; the plumbing after it may be skipped.
 
     python sebulba_impala.py --env-id CartPole-v1
     python sebulba_impala.py --env-id Pong-v5 --actor-device-ids 0 --learner-device-ids 1 2 3
@@ -56,72 +55,67 @@ from tensorboardX import SummaryWriter
 import envpool
 import gymnasium as gym
 
-warnings.filterwarnings("ignore", message=".*precision lowered.*")  # envpool's CartPole spec, harmless
+warnings.filterwarnings("ignore", message=".*precision lowered.*")  # envpool's CartPole: harmless
 
 
 @dataclasses.dataclass
 class Args:
-    """Defaults use one GPU; fill it with 2-4 actor threads x 32-64 envs and --async-envs (a larger
-    batch learns differently)."""
-
-    env_id: str = "Breakout-v5"  # envpool (Atari `*-v5`, `CartPole-v1`) or gymnasium `module:Name-v0`
+    env_id: str = "Breakout-v5"  # envpool (`Pong-v5`, `CartPole-v1`) or gymnasium `module:Name-v0`
     seed: int = 1  # seeds parameters, envs and sampling
-    total_timesteps: int | None = None  # agent steps, all hosts (default: 10M images, 300k vectors)
-    learning_rate: float | None = None  # RMSProp step size (default: 6e-4 images, 5e-3 vectors)
-    anneal_lr: bool = True  # decay the step size linearly to 0 over the run
+    total_timesteps: int | None = None  # agent steps, all hosts (images 10M, vectors 300k)
+    learning_rate: float | None = None  # RMSProp step size (images 6e-4, vectors 5e-3)
+    anneal_lr: bool = True  # decay the step size linearly to 0
     actor_device_ids: list[int] | None = None  # local device indices that act (default: 0)
-    learner_device_ids: list[int] | None = None  # local devices that learn (default: the others, else 0)
+    learner_device_ids: list[int] | None = None  # local devices that learn (default: the others or 0)
     num_actor_threads: int = 2  # per actor device: one steps envs while another acts
     local_num_envs: int = 16  # envs per actor thread
     async_envs: bool = False  # step half the envs while acting for the other half
-    num_steps: int | None = None  # rollout length per env (default: 20 images, 16 vectors)
+    num_steps: int | None = None  # rollout length per env (images 20, vectors 16)
     gamma: float = 0.99  # discount
     vtrace_lambda: float = 1.0  # V-trace's lambda: c_t = lambda * min(1, pi/mu)
     ent_coef: float = 0.01  # entropy bonus weight
     vf_coef: float = 0.5  # value loss weight
     max_grad_norm: float = 40.0  # global-norm gradient clipping
-    rmsprop_eps: float | None = None  # RMSProp epsilon (default: 0.01 images, 1e-5 vectors)
-    network: Literal["deep", "shallow", "mlp"] | None = None  # IMPALA's CNNs (default: deep), mlp: vectors
-    machado: bool = False  # Machado et al. (2018): sticky actions, full action set, no life loss
-    log_every: int | None = None  # updates between metrics rows (default: 10 images, 40 vectors)
+    rmsprop_eps: float | None = None  # RMSProp epsilon (images 0.01, vectors 1e-5)
+    network: Literal["deep", "shallow", "mlp"] | None = None  # images deep or shallow (IMPALA's), vectors mlp
+    machado: bool = False  # Atari as Machado et al. (2018): sticky actions, all 18, no life loss
+    log_every: int | None = None  # updates between metrics rows (images 10, vectors 40)
     checkpoint_every: int = 100  # updates between checkpoints (and one at the end)
-    # Read by the plumbing appendix only:
+    # The plumbing's:
     exp_name: str = Path(__file__).stem  # part of the run folder's name
     run_dir: str = "runs"  # parent folder of run folders
-    resume: str | None = None  # checkpoint.npz to continue from, with the same flags (envs start afresh)
+    resume: str | None = None  # checkpoint.npz to continue from (the envs start afresh)
     distributed: bool = False  # call jax.distributed.initialize() (multi-host)
-    coordinator_address: str | None = None  # host:port of process 0 (else JAX finds it, e.g. on SLURM)
-    num_processes: int | None = None  # number of processes (multi-host)
-    process_id: int | None = None  # this process's index (multi-host)
+    coordinator_address: str | None = None  # host:port of process 0 (or JAX detects it)
+    num_processes: int | None = None  # number of processes
+    process_id: int | None = None  # this process's index
 
 
-# The values of the flags left at None (check_args). Images: the IMPALA paper's (appendix G).
-# Vectors: larger steps, more of them: RMSProp moves a weight about one step size an update, and
-# CartPole's values reach about 100.
-DEFAULTS = {"image": dict(total_timesteps=10_000_000, learning_rate=6e-4, num_steps=20,
-                          rmsprop_eps=0.01, network="deep", log_every=10),
-            "vector": dict(total_timesteps=300_000, learning_rate=5e-3, num_steps=16,
-                           rmsprop_eps=1e-5, network="mlp", log_every=40)}
+# For flags left at None. Images: the IMPALA paper's (appendix G). Vectors: larger steps, as RMSProp
+# moves a weight about a step size an update and CartPole's values reach 100.
+DEFAULTS = {"image": dict(total_timesteps=10_000_000, learning_rate=6e-4, num_steps=20, rmsprop_eps=0.01,
+                          network="deep", log_every=10),
+            "vector": dict(total_timesteps=300_000, learning_rate=5e-3, num_steps=16, rmsprop_eps=1e-5,
+                           network="mlp", log_every=40)}
 
 
-# ---- The environment: envpool or gymnasium on the host, behind make_envs, env_reset, env_step
+# ---- The environment: envpool or gymnasium on the host
 
 def atari_kwargs(machado):
     """The IMPALA and PPO papers' Atari protocol, or --machado's."""
-    if machado:  # noop_max=1 means no no-op starts (0 would crash envpool 1.2.5)
+    if machado:  # noop_max=1: no no-op starts (0 crashes envpool 1.2.5)
         return dict(episodic_life=False, reward_clip=True, noop_max=1,
                     repeat_action_probability=0.25, full_action_space=True)
     return dict(episodic_life=True, reward_clip=True, noop_max=30)
 
 class EnvInfo(NamedTuple):
-    obs_shape: tuple  # vectors [D], images [C, H, W]
+    obs_shape: tuple  # [D] or [C, H, W]
     num_actions: int
-    source: str  # "envpool" or "gymnasium"
-    atari: bool  # envpool Atari: info["reward"] is the unclipped score
+    source: str  # envpool or gymnasium
+    atari: bool  # envpool's Atari
 
 @cache  # one probe per run
 def describe_env(env_id, machado):
-    """An envpool id, or a gymnasium `module:Name-v0` whose module registers Name-v0."""
     module, _, name = env_id.rpartition(":")
     if env_id in envpool.list_all_envs():
         source, atari = "envpool", hasattr(envpool.make_spec(env_id).config, "episodic_life")
@@ -129,92 +123,80 @@ def describe_env(env_id, machado):
         obs_space, act_space = spec.observation_space, spec.action_space
     else:
         source, atari = "gymnasium", False
-        try:
-            importlib.import_module(module) if module else None
-        except Exception as e:  # also a relative name such as "../x"
-            fail(f"--env-id {env_id!r}: cannot import {module!r} ({type(e).__name__}: {e})")
+        importlib.import_module(module) if module else None  # registers `name`
         if name not in gym.registry:
             fail(f"--env-id {env_id!r}: no such envpool or gymnasium environment")
-        with contextlib.closing(gym.make(name)) as probe:  # gymnasium's spaces need an instance
-            obs_space, act_space = probe.observation_space, probe.action_space
-    if machado and not atari:
-        fail(f"--machado applies to Atari ids only, not {env_id!r}")
-    if not isinstance(act_space, gym.spaces.Discrete) or act_space.start != 0:
-        fail(f"--env-id {env_id!r} needs discrete actions numbered from 0, not {act_space}")
-    if not isinstance(obs_space, gym.spaces.Box) or len(obs_space.shape) not in (1, 3):
-        fail(f"--env-id {env_id!r} needs vector or image observations, not {obs_space}")
+        probe = gym.make(name)
+        obs_space, act_space = probe.observation_space, probe.action_space
+    if not isinstance(act_space, gym.spaces.Discrete) or act_space.start != 0 or not isinstance(
+            obs_space, gym.spaces.Box) or len(obs_space.shape) not in (1, 3):
+        fail(f"--env-id {env_id!r} has {act_space}, {obs_space}: not actions from 0, vectors or images")
     shape = obs_space.shape
     if source == "gymnasium" and len(shape) == 3:  # [H, W, C] to envpool's [C, H, W]
         shape = (shape[2], shape[0], shape[1])
     return EnvInfo(obs_shape=tuple(shape), num_actions=int(act_space.n), source=source, atari=atari)
 
 class Envs(NamedTuple):  # a batch of envs stepped together
-    pool: object  # envpool's or gymnasium's vector env
+    pool: object  # a vector env
     env_info: EnvInfo
-    seed: int  # of the first env; env i gets seed + i
+    seed: int  # env i's: seed + i
 
 def make_envs(args, num_envs, seed):
     env_info = describe_env(args.env_id, args.machado)
-    if env_info.source == "gymnasium":  # it resets an ended env on the next step, as envpool does
+    if env_info.source == "gymnasium":  # resets an ended env on the next step, as envpool does
         pool = gym.make_vec(args.env_id.rpartition(":")[2], num_envs, vectorization_mode="sync")
-        return Envs(pool=pool, env_info=env_info, seed=seed)
-    # envpool's worker threads: the host's cores shared among all env batches of this process
-    batches = len(args.actor_device_ids or [0]) * args.num_actor_threads * (1 + args.async_envs)
-    threads = min(num_envs, max(1, len(os.sched_getaffinity(0)) // batches))
-    pool = envpool.make(args.env_id, env_type="gymnasium", num_envs=num_envs, seed=seed,
-                        num_threads=threads, **(atari_kwargs(args.machado) if env_info.atari else {}))
+    else:  # the host's cores shared among all env batches' worker threads
+        batches = len(args.actor_device_ids or [0]) * args.num_actor_threads * (1 + args.async_envs)
+        threads = min(num_envs, max(1, len(os.sched_getaffinity(0)) // batches))
+        pool = envpool.make(args.env_id, env_type="gymnasium", num_envs=num_envs, seed=seed, num_threads=threads,
+                            **(atari_kwargs(args.machado) if env_info.atari else {}))
     return Envs(pool=pool, env_info=env_info, seed=seed)
 
 def host_obs(obs, env_info):  # images channels first; float64 vectors as float32
-    if env_info.source == "gymnasium" and obs.ndim == 4:
-        obs = np.moveaxis(obs, -1, 1)
+    obs = np.moveaxis(obs, -1, 1) if env_info.source == "gymnasium" and obs.ndim == 4 else obs
     return obs.astype(np.float32) if obs.dtype == np.float64 else obs
 
 def env_reset(envs):
-    pool = envs.pool
-    obs, _ = pool.reset() if envs.env_info.source == "envpool" else pool.reset(seed=envs.seed)
+    obs, _ = envs.pool.reset() if envs.env_info.source == "envpool" else envs.pool.reset(seed=envs.seed)
     return host_obs(obs, envs.env_info)
 
 class Step(NamedTuple):  # Atari: a lost life ends a training episode, the last one the game
     obs: np.ndarray  # [E, *obs_shape]
-    reward: np.ndarray  # [E] (Atari: clipped to [-1, 1])
-    terminated: np.ndarray  # [E] no bootstrap from obs (Atari: a life lost, too)
-    ended: np.ndarray  # [E] terminated or truncated: the env's next step is a reset step
-    score: np.ndarray  # [E] (Atari: the unclipped reward)
-    game_over: np.ndarray  # [E] the game's end (Atari: its last life lost) or a truncation
+    reward: np.ndarray  # [E] (Atari: clipped)
+    terminated: np.ndarray  # [E] no bootstrap from obs
+    ended: np.ndarray  # [E] terminated or truncated: the next step resets
+    score: np.ndarray  # [E] (Atari: unclipped)
+    game_over: np.ndarray  # [E] the game ended or was truncated
 
-def env_send(envs, actions):  # envpool steps in its own threads; env_step(sent=True) collects
+def env_send(envs, actions):  # envpool steps them in its threads
     if envs.env_info.source == "envpool":
         envs.pool.send(actions)
 
 def env_step(envs, actions, sent=False):
-    """The Step of `actions`, or with `sent` of the actions env_send started."""
-    if sent and envs.env_info.source == "envpool":
+    if sent and envs.env_info.source == "envpool":  # those env_send started
         obs, reward, terminated, truncated, info = envs.pool.recv()
     else:
         obs, reward, terminated, truncated, info = envs.pool.step(actions)
     score, game_over = reward, terminated | truncated
-    if envs.env_info.atari:  # the whole game's score and end, not the training episode's
+    if envs.env_info.atari:  # the whole game's, not the training episode's
         score, game_over = info["reward"], info["terminated"].astype(bool) | truncated
-    return Step(obs=host_obs(obs, envs.env_info), reward=reward.astype(np.float32),
-                terminated=terminated, ended=terminated | truncated, score=score, game_over=game_over)
+    return Step(obs=host_obs(obs, envs.env_info), reward=reward.astype(np.float32), terminated=terminated,
+                ended=terminated | truncated, score=score, game_over=game_over)
 
 
 # ---- The network: IMPALA's figure 3 CNNs (no LSTM) or an MLP
 
-IMPALA_CHANNELS = (16, 32, 32)  # deep: three stacks of a conv, a max-pool, two residual blocks
+IMPALA_CHANNELS = (16, 32, 32)  # deep: stacks of a conv, a max-pool, 2 residual blocks
 SHALLOW_CONVS = ((16, 8, 4), (32, 4, 2))  # shallow: (channels, kernel, stride), "VALID" padding
 
 def dense_init(key, n_in, n_out, scale):
     return {"w": jax.nn.initializers.orthogonal(scale)(key, (n_in, n_out)), "b": jnp.zeros(n_out)}
 
 def conv_init(key, c_in, c_out, size=3):
-    w = jax.nn.initializers.he_normal()(key, (size, size, c_in, c_out))
-    return {"w": w, "b": jnp.zeros(c_out)}
+    return {"w": jax.nn.initializers.he_normal()(key, (size, size, c_in, c_out)), "b": jnp.zeros(c_out)}
 
 def init_params(key, obs_shape, num_actions, network):
-    # Each layer takes the next key of a split into 32, more than any network needs; the i-th key
-    # does not depend on the count, so 32 changes no initial value.
+    # A key a layer. split(key, 32)[i] does not depend on 32, so that count changes nothing.
     keys, torso = iter(jax.random.split(key, 32)), {}
     if network == "mlp":
         for head in ("policy", "value"):  # unshared: value errors would swamp the policy
@@ -227,8 +209,7 @@ def init_params(key, obs_shape, num_actions, network):
             for i, c in enumerate(IMPALA_CHANNELS):
                 stack = torso[f"stack{i}"] = {"conv": conv_init(next(keys), c_in, c)}
                 for j in range(2):
-                    stack[f"block{j}"] = {"conv0": conv_init(next(keys), c, c),
-                                          "conv1": conv_init(next(keys), c, c)}
+                    stack[f"block{j}"] = {"conv0": conv_init(next(keys), c, c), "conv1": conv_init(next(keys), c, c)}
                 c_in, h, w = c, (h + 1) // 2, (w + 1) // 2  # the max-pool ("SAME", stride 2)
         else:
             for i, (c, size, stride) in enumerate(SHALLOW_CONVS):
@@ -249,7 +230,7 @@ def image_input(obs):  # [N, C, H, W] -> [N, H, W, C] float, uint8 scaled to [0,
     x = jnp.transpose(obs, (0, 2, 3, 1)).astype(jnp.float32)
     return x / 255.0 if obs.dtype == jnp.uint8 else x
 
-def features(p, obs, network):  # obs [N, *obs_shape] -> policy and value features [N, 256 or 64]
+def features(p, obs, network):  # obs [N, *obs_shape] -> policy, value features [N, 256 or 64]
     if network == "mlp":
         return [jnp.tanh(dense(p[f"{h}1"], jnp.tanh(dense(p[f"{h}0"], obs)))) for h in ("policy", "value")]
     x = image_input(obs)
@@ -283,7 +264,7 @@ def entropy(logits):
     return -(jnp.exp(logp) * logp).sum(-1)
 
 
-# ---- The loss: V-trace (IMPALA paper 4.1, rho-bar = c-bar = 1) and its policy gradient
+# ---- The loss: V-trace (IMPALA paper 4.1, rho-bar = c-bar = 1), its policy gradient
 
 class VTrace(NamedTuple):
     vs: jax.Array  # [T, E] value targets v_s
@@ -291,9 +272,8 @@ class VTrace(NamedTuple):
 
 def vtrace(values, rewards, discounts, rhos, valid, lambda_):
     """V-trace targets by the paper's recursion v_s - V(x_s) = delta_s + gamma_s c_s (v_{s+1} -
-    V(x_{s+1})). values [T+1, E], the rest [T, E]. discounts are 0 after a termination; a
-    truncation bootstraps from its final observation x_{t+1}. A reset step (valid 0) adds nothing
-    and cuts the trace."""
+    V(x_{s+1})). values [T+1, E], the rest [T, E]. A truncation bootstraps from its last
+    observation x_{t+1}; a reset step (valid 0) adds nothing and cuts the trace."""
     clipped_rhos = jnp.minimum(1.0, rhos)
     cs = lambda_ * clipped_rhos
     deltas = valid * clipped_rhos * (rewards + discounts * values[1:] - values[:-1])
@@ -303,8 +283,7 @@ def vtrace(values, rewards, discounts, rhos, valid, lambda_):
         correction = delta + ok * discount * c * correction
         return correction, correction
 
-    _, corrections = jax.lax.scan(backward, jnp.zeros_like(values[-1]),
-                                  (deltas, discounts, cs, valid), reverse=True)
+    _, corrections = jax.lax.scan(backward, jnp.zeros_like(values[-1]), (deltas, discounts, cs, valid), reverse=True)
     vs = values[:-1] + corrections
     vs_next = jnp.concatenate([vs[1:], values[-1:]])
     pg_advantages = valid * clipped_rhos * (rewards + discounts * vs_next - values[:-1])
@@ -320,8 +299,7 @@ def impala_loss(params, rollout, args):
     """A sum over this learner's valid steps, as in the IMPALA paper: with RMSProp's epsilon 0.01,
     a mean's gradients (T x E times smaller) would be swamped."""
     logits, values = apply(params, rollout.obs, args.network)  # [T+1, E, A], [T+1, E]
-    logp_taken = log_prob(logits[:-1], rollout.actions)
-    # pi / mu: the importance weights that correct for the policy lag
+    logp_taken = log_prob(logits[:-1], rollout.actions)  # log pi; the rhos pi / mu undo the lag
     rhos = jnp.exp(logp_taken - log_prob(rollout.logits, rollout.actions))
     discounts = args.gamma * (1.0 - rollout.terminated)
     targets = vtrace(values, rollout.rewards, discounts, rhos, rollout.valid, args.vtrace_lambda)
@@ -349,39 +327,38 @@ class Rollout(NamedTuple):  # --num-steps steps of E envs
     terminated: np.ndarray  # [T, E] 1.0: no bootstrap after step t
     valid: np.ndarray  # [T, E] 0.0: step t is a reset step
 
-class ActorState(NamedTuple):  # one env group's, carried from step to step
+class ActorState(NamedTuple):  # an env group's, from step to step
     obs: np.ndarray  # [E, *obs_shape] to act on
     key: jax.Array  # on the actor device
     ended: np.ndarray  # [E] obs ends an episode: the next step resets
     game_return: np.ndarray  # [E] (Atari: unclipped)
-    game_length: np.ndarray  # [E] agent steps
+    game_length: np.ndarray  # [E]
 
 class ActorStats(NamedTuple):  # sent with each rollout
     returns: list  # of the games that ended
     lengths: list
-    lag: int  # updates behind the learner's parameters
-    seconds: dict  # timings of the rollout
+    lag: int  # stats/param_lag
+    seconds: dict  # timings
 
 def track_games(state, step, stats):
-    """The ActorState after `step`; the games it ended go to `stats`."""
+    """The ActorState after `step`; ended games go to `stats`."""
     game_return = state.game_return + step.score
-    # A reset step only returns the first observation: no move of the game, so it is not counted.
+    # A reset step is no move of the game: it only returns the first observation.
     game_length = state.game_length + np.where(state.ended, 0, 1)
     over = step.game_over
     stats.returns.extend(game_return[over].tolist())
     stats.lengths.extend(game_length[over].tolist())
-    return ActorState(obs=step.obs, key=state.key, ended=step.ended,
-                      game_return=np.where(over, 0.0, game_return),
-                      game_length=np.where(over, 0, game_length))
+    return ActorState(obs=step.obs, key=state.key, ended=step.ended, game_return=np.where(over, 0.0,
+                      game_return), game_length=np.where(over, 0, game_length))
 
 def collect(args, groups, params, states, stats):
-    """--num-steps steps of each env group: act, step, store. The Rollout [T, E, ...], new states."""
-    stored = [[] for _ in groups]  # per group, a dict of [E] arrays a step
+    """--num-steps steps of each env group: act, step, store."""
+    stored = [[] for _ in groups]  # a group's steps, dicts of [E] arrays
 
     def act_and_send(g):
         with timer(stats.seconds, "inference_time"):
             actions, logits, key = act(params, states[g].obs, states[g].key, args.network)
-            actions = np.asarray(actions)  # the logits stay on the device until the rollout ends
+            actions = np.asarray(actions)  # the logits stay on the device till the end
         env_send(groups[g], actions)
         stored[g].append(dict(obs=states[g].obs, actions=actions, logits=logits))
         states[g] = states[g]._replace(key=key)
@@ -393,25 +370,25 @@ def collect(args, groups, params, states, stats):
                              valid=(~states[g].ended).astype(np.float32))
         states[g] = track_games(states[g], step, stats)
 
-    if not args.async_envs:  # one group
+    if not args.async_envs:
         for _ in range(args.num_steps):
             act_and_send(0)
             step_and_store(0)
-    else:  # --async-envs: two halves take turns, one acting while envpool steps the other
+    else:  # --async-envs: two halves; the policy acts for one while envpool steps the other
         for t in range(args.num_steps):
             for g in (0, 1):
                 if t > 0:
                     step_and_store(g)
                 act_and_send(g)
         step_and_store(0), step_and_store(1)
-    # Each group's steps stacked (the logits fetched in one transfer), the groups side by side.
+    # [T, E, ...]; one transfer fetches all the logits
     rollout = jax.tree.map(lambda *x: np.concatenate(x, axis=1), *[
         jax.tree.map(lambda *x: np.stack(jax.device_get(x)), *steps) for steps in stored])
     rollout["obs"] = np.concatenate([rollout["obs"], np.concatenate([s.obs for s in states])[None]])
     return Rollout(**rollout), states
 
 def start_groups(args, index, device, start_update):
-    """Actor thread `index`'s env groups (two halves with --async-envs), their first states."""
+    """Actor thread `index`'s env groups (two halves with --async-envs), first states."""
     num_groups = 2 if args.async_envs else 1
     n = args.local_num_envs // num_groups
     groups, states = [], []
@@ -419,9 +396,8 @@ def start_groups(args, index, device, start_update):
         groups.append(make_envs(args, n, args.seed + i * n))
         # Each group, and each resumed run, samples from its own stream.
         key = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(args.seed), start_update), 1 + i)
-        states.append(ActorState(obs=env_reset(groups[-1]), key=jax.device_put(key, device),
-                                 ended=np.zeros(n, bool), game_return=np.zeros(n),
-                                 game_length=np.zeros(n, int)))
+        states.append(ActorState(obs=env_reset(groups[-1]), key=jax.device_put(key, device), ended=np.zeros(
+            n, bool), game_return=np.zeros(n), game_length=np.zeros(n, int)))
     return groups, states
 
 @contextlib.contextmanager
@@ -431,12 +407,12 @@ def timer(seconds, name):
     seconds[name] += time.perf_counter() - start
 
 class ParamStore:
-    """The newest parameters on each actor device, and their version (the updates they have seen)."""
+    """The newest parameters on each actor device and their version (updates made)."""
 
     def __init__(self, devices):
         self.cond, self.devices, self.version, self.params = threading.Condition(), devices, -1, None
 
-    def publish(self, version, params):  # params: the learners' replicated global arrays
+    def publish(self, version, params):
         params = {d: jax.device_put(local(params), d) for d in self.devices}
         with self.cond:
             self.version, self.params = version, params
@@ -448,60 +424,52 @@ class ParamStore:
             return self.version, self.params
 
 # The policy lag. Rollout u of an actor thread (u = 0, 1, ...) feeds update u + 1 and acts with
-# the newest published version, at least u - 1 (version v: the parameters after v updates). So
+# the newest version published, at least u - 1 (version v: the parameters after v updates). So
 # while the learners compute update u from rollout u - 1, the actors collect rollout u with
-# version u - 1: acting runs at most one update behind (stats/param_lag), and V-trace's
-# importance weights pi / mu correct for it.
+# version u - 1: one update behind (stats/param_lag); V-trace's pi / mu corrects for it.
 
 def actor(args, index, device, learners, store, rollouts, updates):
-    """Actor thread `index` (of all hosts'): rollout u for each u in `updates`, queued in pieces."""
+    """Actor thread `index` of all hosts' makes rollout u for each u in `updates`."""
     groups, states = start_groups(args, index, device, updates.start)
-    seconds = defaultdict(float, actor_queue_wait=0.0)
     for u in updates:
-        with timer(seconds, "actor_params_wait"):
-            version, params = store.wait(u - 1)
-        stats = ActorStats(returns=[], lengths=[], lag=u - version, seconds=seconds)
-        with timer(seconds, "rollout_time"):
+        version, params = store.wait(u - 1)
+        stats = ActorStats(returns=[], lengths=[], lag=u - version, seconds=defaultdict(float))
+        with timer(stats.seconds, "rollout_time"):
             rollout, states = collect(args, groups, params[device], states, stats)
             split = lambda k: jax.tree.map(lambda x: np.split(x, len(learners), axis=1)[k], rollout)
             pieces = [jax.device_put(split(k), d) for k, d in enumerate(learners)]  # on learner k
-        seconds = defaultdict(float)  # the next rollout's, from this one's wait in the queue
-        with timer(seconds, "actor_queue_wait"):
-            rollouts.put((pieces, stats))
+        rollouts.put((pieces, stats))
 
 def start_actors(args, layout, store, start_update, num_updates):
-    """This host's actor threads, a queue each. A thread that raises ends the run with its traceback."""
-    def crash(hook):  # at once: the learner would wait forever for this thread's rollout
+    """This host's actor threads, a queue each."""
+    def crash(hook):  # a raise ends the run, or the learner would wait forever
         traceback.print_exception(hook.exc_type, hook.exc_value, hook.exc_traceback)
-        sys.stderr.flush()
         os._exit(1)
 
     threading.excepthook = crash
     num_threads = len(layout.actor_devices) * args.num_actor_threads
-    queues = [queue.Queue(maxsize=1) for _ in range(num_threads)]  # one rollout waits, one is made
+    queues = [queue.Queue(maxsize=1) for _ in range(num_threads)]
     for i, rollouts in enumerate(queues):
         index = jax.process_index() * num_threads + i
         device = layout.actor_devices[i // args.num_actor_threads]
-        # Daemons: the learner takes every rollout they make, so none waits past the run's end.
-        threading.Thread(target=actor, name=f"actor{i}", daemon=True, args=(
-            args, index, device, layout.learner_devices, store, rollouts,
-            range(start_update, num_updates))).start()
+        # Daemons: the learner takes all their rollouts or exits.
+        threading.Thread(target=actor, name=f"actor{i}", daemon=True, args=(args, index, device,
+                         layout.learner_devices, store, rollouts, range(start_update, num_updates))).start()
     return queues
 
 
-# ---- Learning (learner devices): one IMPALA update in one compiled call
+# ---- Learning (learner devices): an IMPALA update, one compiled call
 
 class TrainState(NamedTuple):
     params: dict
     opt_state: optax.OptState
 
-def learning_rate(args, num_updates, update_index):  # 0 is the first update
+def learning_rate(args, num_updates, update_index):  # from 0
     return args.learning_rate * (1.0 - update_index / num_updates if args.anneal_lr else 1.0)
 
 def make_optimizer(args, num_updates):
-    """RMSProp with epsilon outside the root, as torchbeast and Cleanba have it; the IMPALA paper's
-    puts it inside (optax's default), where 0.01 floors the denominator at 0.1 and, with this loss,
-    the policy barely moves on Atari."""
+    """RMSProp with epsilon outside the root, as in torchbeast and Cleanba; the IMPALA paper's has it
+    inside (optax's default), where 0.01 floors the denominator at 0.1: the policy barely moves."""
     lr = lambda count: learning_rate(args, num_updates, count)
     return optax.chain(optax.clip_by_global_norm(args.max_grad_norm),
                        optax.rmsprop(lr, decay=0.99, eps=args.rmsprop_eps, eps_in_sqrt=False))
@@ -511,7 +479,7 @@ def init_state(key, args, env_info, num_updates):
     return TrainState(params=params, opt_state=make_optimizer(args, num_updates).init(params))
 
 def learner_update(state, rollout, args, optimizer):
-    """One IMPALA update on this learner's share [T, E_l, ...] of the rollouts (in shard_map)."""
+    """An IMPALA update from this learner's share [T, E_l, ...] of the rollouts (in shard_map)."""
     grads, losses = jax.grad(impala_loss, has_aux=True)(state.params, rollout, args)
     # The learners' sums add up; losses are logged per valid step.
     grads, losses, num_valid = jax.lax.psum((grads, losses, rollout.valid.sum()), "devices")
@@ -523,8 +491,8 @@ def make_update(args, mesh, num_updates):
     body = partial(learner_update, args=args, optimizer=make_optimizer(args, num_updates))
     # check_vma=False: the body psums the gradients itself; with the check, JAX would already
     # have summed those of the replicated (P()) parameters.
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P(None, "devices")),
-                                 out_specs=(P(), P()), check_vma=False))
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P(None, "devices")), out_specs=(P(), P()),
+                                 check_vma=False))
 
 
 # ---- The device mapping
@@ -532,35 +500,33 @@ def make_update(args, mesh, num_updates):
 class Layout(NamedTuple):
     actor_devices: list  # this host's
     learner_devices: list  # this host's, in mesh order
-    mesh: Mesh  # every host's learner devices, one axis "devices"
+    mesh: Mesh  # all hosts' learner devices, axis "devices"
     num_envs: int  # of all hosts
 
 def pick_devices(args):
-    n = len(jax.local_devices())
+    n = jax.local_device_count()
     actors = args.actor_device_ids or [0]
     learners = args.learner_device_ids or ([i for i in range(n) if i not in actors] or [0])
     for flag, ids in (("--actor-device-ids", actors), ("--learner-device-ids", learners)):
         if not all(0 <= i < n for i in ids) or len(set(ids)) < len(ids):
-            fail(f"{flag} {' '.join(map(str, ids))}: give distinct indices in 0..{n - 1}")
+            fail(f"{flag} {ids}: give distinct indices in 0..{n - 1}")
     if n > 1 and set(actors) & set(learners):
-        fail(f"--learner-device-ids {' '.join(map(str, learners))} share a device with "
-             f"--actor-device-ids {' '.join(map(str, actors))}: give each role its own")
+        fail(f"--learner-device-ids {learners} share a device with --actor-device-ids {actors}")
     hosts = [[d for d in jax.devices() if d.process_index == p] for p in range(jax.process_count())]
     mesh = Mesh(np.array([host[i] for host in hosts for i in learners]), ("devices",))
     mine = hosts[jax.process_index()]
     num_envs = jax.process_count() * len(actors) * args.num_actor_threads * args.local_num_envs
-    return Layout(actor_devices=[mine[i] for i in actors], learner_devices=[mine[i] for i in learners],
-                  mesh=mesh, num_envs=num_envs)
+    return Layout(actor_devices=[mine[i] for i in actors], learner_devices=[mine[i] for i in learners], mesh=mesh,
+                  num_envs=num_envs)
 
 def assemble(pieces, mesh):
-    """The global Rollout [T, all envs, ...] from each local actor thread's pieces (piece k lies on
-    learner k): its shard on learner k is every thread's piece k, side by side."""
+    """The global Rollout [T, all envs, ...]: learner k's shard joins each thread's piece k."""
     shards = [jax.tree.map(lambda *x: jnp.concatenate(x, axis=1), *pieces_k) for pieces_k in zip(*pieces)]
     sharding = NamedSharding(mesh, P(None, "devices"))
 
-    def whole(*leaf_shards):
-        shape = (leaf_shards[0].shape[0], leaf_shards[0].shape[1] * mesh.size, *leaf_shards[0].shape[2:])
-        return jax.make_array_from_single_device_arrays(shape, sharding, list(leaf_shards))
+    def whole(first, *rest):
+        shape = (first.shape[0], first.shape[1] * mesh.size, *first.shape[2:])
+        return jax.make_array_from_single_device_arrays(shape, sharding, [first, *rest])
 
     return jax.tree.map(whole, *shards)
 
@@ -571,16 +537,10 @@ def local(tree):
 
 # ---- The learner loop (main thread)
 
-class Window(NamedTuple):  # the updates since the last metrics row
-    start: float  # time.perf_counter()
-    losses: list  # Losses of every update
-    learner: list  # timings of every update
-    actors: list  # ActorStats of every rollout
-
 def learn(args, layout, run, store, queues, state, start_update, num_updates):
-    """Take each actor thread's rollout, update, publish, log, checkpoint; the last row."""
+    """Take rollouts, update, publish, log, checkpoint."""
     update_fn, batch = make_update(args, layout.mesh, num_updates), args.num_steps * layout.num_envs
-    window = Window(start=time.perf_counter(), losses=[], learner=[], actors=[])
+    window, start = [], time.perf_counter()  # since the last row: an update's (Losses, timings, stats)
     for update in range(start_update + 1, num_updates + 1):
         seconds = defaultdict(float)
         with timer(seconds, "learner_queue_wait"):
@@ -589,41 +549,39 @@ def learn(args, layout, run, store, queues, state, start_update, num_updates):
             state, losses = update_fn(state, assemble([pieces for pieces, _ in received], layout.mesh))
             store.publish(update, state.params)
             losses = jax.device_get(local(losses))
-        window.losses.append(losses), window.learner.append(seconds)
-        window.actors.extend(stats for _, stats in received)
+        window.append((losses, seconds, [stats for _, stats in received]))
         if update % args.log_every == 0 or update in (start_update + 1, num_updates):
-            row = report(args, run, window, update, batch)
-            window = Window(start=time.perf_counter(), losses=[], learner=[], actors=[])
+            row = report(args, run, window, time.perf_counter() - start, update, batch)
+            window, start = [], time.perf_counter()
         checkpoint = lambda: {"state": jax.device_get(local(state)), "update": np.int64(update),
                               "global_step": np.int64(update * batch)}
-        safe_point(args, run, update, update % args.checkpoint_every == 0, checkpoint)
-    safe_point(args, run, num_updates, True, checkpoint)
+        safe_point(args, run, update, update % args.checkpoint_every == 0 or update == num_updates, checkpoint)
     return state, row
 
-def report(args, run, window, update, batch):
-    """The window's metrics row: CleanRL's names, Cleanba's timings (mean seconds)."""
+def report(args, run, window, seconds, update, batch):
+    """CleanRL's metrics, and Cleanba's timings (mean seconds)."""
     mean = lambda xs: float(np.mean(xs))
-    row = {"global_step": update * batch, "update": update,
-           "charts/SPS": len(window.losses) * batch / (time.perf_counter() - window.start),
+    losses, learner, actors = zip(*window)
+    actors = [stats for update_stats in actors for stats in update_stats]
+    row = {"global_step": update * batch, "update": update, "charts/SPS": len(window) * batch / seconds,
            "charts/learning_rate": learning_rate(args, run.num_updates, update - 1),  # the last update's
-           "stats/param_lag": max(stats.lag for stats in window.actors)}
-    for name, values in zip(Losses._fields, zip(*window.losses)):
+           "stats/param_lag": max(stats.lag for stats in actors)}
+    for name, values in zip(Losses._fields, zip(*losses)):
         row[f"losses/{name}"] = mean(values)
-    for name in window.actors[0].seconds:
-        row[f"stats/{name}"] = mean([stats.seconds[name] for stats in window.actors])
-    for name in window.learner[0]:
-        row[f"stats/{name}"] = mean([seconds[name] for seconds in window.learner])
-    if returns := [r for stats in window.actors for r in stats.returns]:
+    for timings in (learner, [stats.seconds for stats in actors]):
+        for name in timings[0]:
+            row[f"stats/{name}"] = mean([t[name] for t in timings])
+    if returns := [r for stats in actors for r in stats.returns]:
         row["charts/episodic_return"] = mean(returns)
-        row["charts/episodic_length"] = mean([n for stats in window.actors for n in stats.lengths])
+        row["charts/episodic_length"] = mean([n for stats in actors for n in stats.lengths])
     log(run, row)
     return row
 
 def initial_state(args, env_info, layout, num_updates):
-    """The replicated TrainState, fresh or --resume's, and the update it starts after."""
+    """The replicated TrainState, new or --resume's, and its update."""
     init = partial(init_state, jax.random.PRNGKey(args.seed), args, env_info, num_updates)
-    template = {"state": jax.eval_shape(init), "update": np.int64(0), "global_step": np.int64(0)}
-    ckpt = load(args, template) if args.resume else None
+    ckpt = args.resume and load(args, {"state": jax.eval_shape(init), "update": np.int64(0),
+                                       "global_step": np.int64(0)})
     if ckpt and ckpt["update"] >= num_updates:
         fail(f"--resume {args.resume} is at update {ckpt['update']}: raise --total-timesteps")
     replicated = NamedSharding(layout.mesh, P())
@@ -635,34 +593,27 @@ def initial_state(args, env_info, layout, num_updates):
 # ---- This script's flags
 
 def check_args(args):
-    """The args with DEFAULTS filled in, and the EnvInfo."""
     env_info = describe_env(args.env_id, args.machado)
     image = len(env_info.obs_shape) == 3
-    if args.network is None and image and not args.distributed and jax.default_backend() == "cpu":
-        print("note: on CPUs --network shallow runs ~16x faster than the default deep ResNet, which "
-              "needs far fewer steps on Pong (README.md: Speed, IMPALA's RMSProp and network)")
     family = DEFAULTS["image" if image else "vector"]
     args = dataclasses.replace(args, **{k: v for k, v in family.items() if getattr(args, k) is None})
     if (args.network == "mlp") == image:
-        fail(f"--network {args.network} does not fit observations of shape {env_info.obs_shape} "
-             "(vectors take mlp, images deep or shallow)")
+        fail(f"--network {args.network} does not fit {env_info.obs_shape}: mlp takes vectors")
     if args.network == "shallow" and min(env_info.obs_shape[1:]) < 20:
-        fail(f"--network shallow takes images of at least 20x20, not {env_info.obs_shape}")
+        fail(f"--network shallow takes images of 20x20 or more, not {env_info.obs_shape}")
     if args.max_grad_norm <= 0:
-        fail(f"--max-grad-norm {args.max_grad_norm} clips every gradient to nothing: give a norm above 0")
+        fail(f"--max-grad-norm {args.max_grad_norm} would clip every gradient to 0")
     return args, env_info
 
 def check_sizes(args, layout):
-    """Counts that must divide; the steps per update."""
     n_learners = len(layout.learner_devices)
     if args.local_num_envs % n_learners:
-        fail(f"--local-num-envs {args.local_num_envs} must divide among {n_learners} learner devices")
+        fail(f"--local-num-envs {args.local_num_envs} must divide among {n_learners} learners")
     if args.async_envs and args.local_num_envs % 2:
-        fail(f"--local-num-envs {args.local_num_envs} must be even with --async-envs (two halves)")
+        fail(f"--local-num-envs {args.local_num_envs} must be even with --async-envs")
     batch = args.num_steps * layout.num_envs
     if args.total_timesteps < batch:
-        fail(f"--total-timesteps {args.total_timesteps} is less than one update ({batch:,} steps = "
-             f"--num-steps {args.num_steps} x {layout.num_envs} envs)")
+        fail(f"--total-timesteps {args.total_timesteps} is less than one update ({batch:,} steps)")
     return batch
 
 
@@ -679,10 +630,6 @@ def main(args):
     store = ParamStore(layout.actor_devices)
     store.publish(start_update, state.params)
     queues = start_actors(args, layout, store, start_update, num_updates)
-    print(f"{args.env_id}: {num_updates - start_update} updates of {batch:,} steps; actor devices "
-          f"{[d.id for d in layout.actor_devices]} x {args.num_actor_threads} threads x "
-          f"{args.local_num_envs} envs; learner devices {[d.id for d in layout.learner_devices]} x "
-          f"{jax.process_count()} host(s)", flush=True)
     state, row = learn(args, layout, run, store, queues, state, start_update, num_updates)
     row["checksum"] = checksum(state.params)
     print(f"checksum {row['checksum']}", flush=True)
