@@ -20,7 +20,6 @@ Reading order:
 
     python sebulba_impala.py --env-id CartPole-v1
     python sebulba_impala.py --env-id Pong-v5 --actor-device-ids 0 --learner-device-ids 1 2 3
-    python sebulba_impala.py --resume runs/Breakout-v5__sebulba_impala__1__1700000000/checkpoint.npz
 """
 
 import contextlib
@@ -388,7 +387,7 @@ def collect(args, groups, params, states, stats):
     return Rollout(**rollout), states
 
 def start_groups(args, index, device, start_update):
-    """Actor thread `index`'s env groups (two halves with --async-envs), first states."""
+    """Actor thread `index`'s env groups (--async-envs: two halves) and first states."""
     num_groups = 2 if args.async_envs else 1
     n = args.local_num_envs // num_groups
     groups, states = [], []
@@ -540,7 +539,7 @@ def local(tree):
 def learn(args, layout, run, store, queues, state, start_update, num_updates):
     """Take rollouts, update, publish, log, checkpoint."""
     update_fn, batch = make_update(args, layout.mesh, num_updates), args.num_steps * layout.num_envs
-    window, start = [], time.perf_counter()  # since the last row: an update's (Losses, timings, stats)
+    window, start, row = [], time.perf_counter(), {}  # window: an update's (Losses, timings, stats) a row
     for update in range(start_update + 1, num_updates + 1):
         seconds = defaultdict(float)
         with timer(seconds, "learner_queue_wait"):
@@ -582,8 +581,6 @@ def initial_state(args, env_info, layout, num_updates):
     init = partial(init_state, jax.random.PRNGKey(args.seed), args, env_info, num_updates)
     ckpt = args.resume and load(args, {"state": jax.eval_shape(init), "update": np.int64(0),
                                        "global_step": np.int64(0)})
-    if ckpt and ckpt["update"] >= num_updates:
-        fail(f"--resume {args.resume} is at update {ckpt['update']}: raise --total-timesteps")
     replicated = NamedSharding(layout.mesh, P())
     state = jax.tree.map(lambda a: jax.make_array_from_callback(a.shape, replicated, lambda i: a[i]),
                          ckpt["state"] if ckpt else jax.device_get(init()))
@@ -627,8 +624,7 @@ def main(args):
     num_updates = args.total_timesteps // batch
     state, start_update = initial_state(args, env_info, layout, num_updates)
     run = open_run(args, num_updates)
-    store = ParamStore(layout.actor_devices)
-    store.publish(start_update, state.params)
+    (store := ParamStore(layout.actor_devices)).publish(start_update, state.params)
     queues = start_actors(args, layout, store, start_update, num_updates)
     state, row = learn(args, layout, run, store, queues, state, start_update, num_updates)
     row["checksum"] = checksum(state.params)
