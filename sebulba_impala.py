@@ -16,7 +16,7 @@ Reading order:
     2. `learn`: the learner (take rollouts, update, publish, log, checkpoint).
     3. `learner_update`, `impala_loss`, `vtrace`: an update, its loss, the paper's recursion.
     4. `apply` (the networks), `env_step` (envpool or gymnasium).
-    5. `main`, the table of contents; the plumbing after it may be skipped.
+    5. `main`, the table of contents; skip the plumbing after it.
 
     python sebulba_impala.py --env-id CartPole-v1
     python sebulba_impala.py --env-id Pong-v5 --actor-device-ids 0 --learner-device-ids 1 2 3
@@ -83,7 +83,7 @@ class Args:
     # The plumbing's:
     exp_name: str = Path(__file__).stem  # part of the run folder's name
     run_dir: str = "runs"  # parent folder of run folders
-    resume: str | None = None  # checkpoint.npz to continue from (the envs start afresh)
+    resume: str | None = None  # a checkpoint.npz to continue from
     distributed: bool = False  # call jax.distributed.initialize() (multi-host)
     coordinator_address: str | None = None  # host:port of process 0 (or JAX detects it)
     num_processes: int | None = None  # number of processes
@@ -118,15 +118,14 @@ def describe_env(env_id, machado):
     module, _, name = env_id.rpartition(":")
     if env_id in envpool.list_all_envs():
         source, atari = "envpool", hasattr(envpool.make_spec(env_id).config, "episodic_life")
-        spec = envpool.make_spec(env_id, **(atari_kwargs(machado) if atari else {}))
-        obs_space, act_space = spec.observation_space, spec.action_space
+        spaces = envpool.make_spec(env_id, **(atari_kwargs(machado) if atari else {}))
     else:
         source, atari = "gymnasium", False
         importlib.import_module(module) if module else None  # registers `name`
         if name not in gym.registry:
             fail(f"--env-id {env_id!r}: no such envpool or gymnasium environment")
-        probe = gym.make(name)
-        obs_space, act_space = probe.observation_space, probe.action_space
+        spaces = gym.make(name)
+    obs_space, act_space = spaces.observation_space, spaces.action_space
     if not isinstance(act_space, gym.spaces.Discrete) or act_space.start != 0 or not isinstance(
             obs_space, gym.spaces.Box) or len(obs_space.shape) not in (1, 3):
         fail(f"--env-id {env_id!r} has {act_space}, {obs_space}: not actions from 0, vectors or images")
@@ -165,7 +164,7 @@ class Step(NamedTuple):  # Atari: a lost life ends a training episode, the last 
     terminated: np.ndarray  # [E] no bootstrap from obs
     ended: np.ndarray  # [E] terminated or truncated: the next step resets
     score: np.ndarray  # [E] (Atari: unclipped)
-    game_over: np.ndarray  # [E] the game ended or was truncated
+    game_over: np.ndarray  # [E] the game ended or was cut
 
 def env_send(envs, actions):  # envpool steps them in its threads
     if envs.env_info.source == "envpool":
