@@ -450,7 +450,6 @@ def start_actors(args, layout, store, start_update, num_updates):
     for i, rollouts in enumerate(queues):
         index = jax.process_index() * num_threads + i
         device = layout.actor_devices[i // args.num_actor_threads]
-        # Daemons: the learner takes all their rollouts or exits.
         threading.Thread(target=actor, name=f"actor{i}", daemon=True, args=(args, index, device,
                          layout.learner_devices, store, rollouts, range(start_update, num_updates))).start()
     return queues
@@ -625,7 +624,10 @@ def main(args):
     run = open_run(args, num_updates)
     (store := ParamStore(layout.actor_devices)).publish(start_update, state.params)
     queues = start_actors(args, layout, store, start_update, num_updates)
-    state, row = learn(args, layout, run, store, queues, state, start_update, num_updates)
+    try:  # a stop exits at once: a normal exit aborts while a thread is inside envpool
+        state, row = learn(args, layout, run, store, queues, state, start_update, num_updates)
+    except SystemExit as stop:
+        os._exit(stop.code)
     row["checksum"] = checksum(state.params)
     print(f"checksum {row['checksum']}", flush=True)
     return row

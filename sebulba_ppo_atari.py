@@ -56,7 +56,7 @@ import gymnasium as gym
 
 @dataclasses.dataclass
 class Args:
-    env_id: str = "Breakout-v5"  # envpool Atari or gymnasium `module:Name-v0`, with images
+    env_id: str = "Breakout-v5"  # envpool Atari or gymnasium `module:Name-v0` (images)
     seed: int = 1  # seeds parameters, envs and sampling
     total_timesteps: int = 10_000_000  # agent steps, all hosts
     learning_rate: float = 2.5e-4  # Adam step size
@@ -75,7 +75,7 @@ class Args:
     ent_coef: float = 0.01  # entropy bonus weight
     vf_coef: float = 0.5  # value loss weight
     max_grad_norm: float = 0.5  # global-norm gradient clipping
-    policy_lag: bool = True  # act one update behind (--no-policy-lag: with the newest)
+    policy_lag: bool = True  # act one update behind (--no-policy-lag: the newest)
     machado: bool = False  # Atari as Machado et al. (2018): sticky actions, all 18, no life loss
     log_every: int = 1  # updates between metrics rows
     checkpoint_every: int = 50  # updates between checkpoints (and one at the end)
@@ -176,9 +176,9 @@ def env_step(envs, actions, sent=False):
 
 # (channels, kernel, stride) of each "VALID" conv, and the hidden width
 NATURE = ((32, 8, 4), (64, 4, 2), (64, 3, 1)), 512  # Nature DQN's (Mnih et al. 2015)
-MINATAR = ((16, 3, 1),), 128  # MinAtar's (Young and Tian 2019)
+MINATAR = ((16, 3, 1),), 128  # MinAtar's (Young, Tian 2019)
 
-def cnn_for(obs_shape):  # by size: the Nature CNN needs 36x36 or more
+def cnn_for(obs_shape):  # by size: Nature's needs 36x36 or more
     return NATURE if min(obs_shape[1:]) >= 36 else MINATAR
 
 def dense_init(key, n_in, n_out, scale):
@@ -261,7 +261,7 @@ def decoupled_surrogate(logp, logp_prox, logp_mu, advantages, clip):
     return weight * clipped_surrogate(ratio, advantages, clip)
 
 def clipped_value_loss(values, old_values, returns, clip):
-    """Per-sample value loss, clipped around the acting-time value."""
+    """Value loss per sample, clipped around the acting-time value."""
     clipped = old_values + jnp.clip(values - old_values, -clip, clip)
     return 0.5 * jnp.maximum((values - returns) ** 2, (clipped - returns) ** 2)
 
@@ -273,7 +273,7 @@ class Samples(NamedTuple):  # a learner's
     advantages: jax.Array
     returns: jax.Array
     valid: jax.Array
-    logp_prox: jax.Array | None = None  # set by learner_update
+    logp_prox: jax.Array | None = None
 
 class Losses(NamedTuple):
     policy_loss: jax.Array
@@ -297,7 +297,7 @@ def ppo_loss(params, mb, args, axis_name):
         policy_loss=share(decoupled_surrogate(logp, mb.logp_prox, mb.logp_mu, advantages, args.clip_coef)),
         value_loss=share(clipped_value_loss(values, mb.values, mb.returns, args.clip_coef)),
         entropy=share(entropy(logits)),
-        approx_kl=share(jax.lax.stop_gradient((ratio - 1) - log_ratio)),  # the low-variance KL estimate
+        approx_kl=share(jax.lax.stop_gradient((ratio - 1) - log_ratio)),  # low-variance form
         clipfrac=share(outside(ratio)),
         clipfrac_first=share(outside(jnp.exp(logp - mb.logp_mu))))
     loss = losses.policy_loss - args.ent_coef * losses.entropy + args.vf_coef * losses.value_loss
@@ -381,7 +381,7 @@ def collect(args, groups, params, states, stats):
     for g, state in enumerate(states):
         _, _, value, key = act(params, state.obs, state.key)
         bootstrap, states[g] = bootstrap + [value], state._replace(key=key)
-    # [T, E, ...]; one transfer fetches all logp_mu and values
+    # [T, E, ...]: one transfer for logp_mu, values
     rollout = jax.tree.map(lambda *x: np.concatenate(x, axis=1), *[
         jax.tree.map(lambda *x: np.stack(jax.device_get(x)), *steps) for steps in stored])
     rollout["values"] = np.concatenate([rollout["values"], np.concatenate(jax.device_get(bootstrap))[None]])
@@ -453,7 +453,6 @@ def start_actors(args, layout, store, start_update, num_updates):
     for i, rollouts in enumerate(queues):
         index = jax.process_index() * num_threads + i
         device = layout.actor_devices[i // args.num_actor_threads]
-        # Daemons: the learner takes all their rollouts or exits.
         threading.Thread(target=actor, name=f"actor{i}", daemon=True, args=(args, index, device,
                          layout.learner_devices, store, rollouts, range(start_update, num_updates))).start()
     return queues
@@ -464,13 +463,13 @@ def start_actors(args, layout, store, start_update, num_updates):
 class TrainState(NamedTuple):
     params: dict
     opt_state: optax.OptState
-    key: jax.Array  # for minibatches, alike on every learner
+    key: jax.Array  # minibatches, alike on all learners
 
 def learning_rate(args, num_updates, update_index):  # from 0
     return args.learning_rate * (1.0 - update_index / num_updates if args.anneal_lr else 1.0)
 
 def make_optimizer(args, num_updates):
-    """Adam; its step size steps down once per update, not per gradient step."""
+    """Adam; the step size decays per update, not per gradient step."""
     grad_steps_per_update = args.update_epochs * args.num_minibatches
     lr = lambda count: learning_rate(args, num_updates, count // grad_steps_per_update)
     return optax.chain(optax.clip_by_global_norm(args.max_grad_norm), optax.adam(lr, eps=1e-5))
@@ -504,7 +503,7 @@ def learner_update(state, rollout, args, optimizer):
         for idx in order:
             mb = jax.tree.map(lambda x: x[idx], samples)
             grads, mb_losses = jax.grad(ppo_loss, has_aux=True)(params, mb, args, "devices")
-            grads = jax.lax.psum(grads, "devices")  # the shares add up to the mean's gradient
+            grads = jax.lax.psum(grads, "devices")  # shares add to the mean's gradient
             updates, opt_state = optimizer.update(grads, opt_state, params)
             params = optax.apply_updates(params, updates)
             losses.append(jax.lax.psum(mb_losses, "devices"))
@@ -649,7 +648,10 @@ def main(args):
     run = open_run(args, num_updates)
     (store := ParamStore(layout.actor_devices)).publish(start_update, state.params)
     queues = start_actors(args, layout, store, start_update, num_updates)
-    state, row = learn(args, layout, run, store, queues, state, start_update, num_updates)
+    try:  # a stop exits at once: a normal exit aborts while a thread is inside envpool
+        state, row = learn(args, layout, run, store, queues, state, start_update, num_updates)
+    except SystemExit as stop:
+        os._exit(stop.code)
     row["checksum"] = checksum(state.params)
     print(f"checksum {row['checksum']}", flush=True)
     return row
