@@ -537,7 +537,7 @@ def local(tree):
 def learn(args, layout, run, store, queues, state, start_update, num_updates):
     """Take rollouts, update, publish, log, checkpoint."""
     update_fn, batch = make_update(args, layout.mesh, num_updates), args.num_steps * layout.num_envs
-    window, start, row = [], time.perf_counter(), {}  # window: an update's (Losses, timings, stats) a row
+    window, start = [], time.perf_counter()  # since the last row: an update's (Losses, timings, stats)
     for update in range(start_update + 1, num_updates + 1):
         seconds = defaultdict(float)
         with timer(seconds, "learner_queue_wait"):
@@ -579,6 +579,8 @@ def initial_state(args, env_info, layout, num_updates):
     init = partial(init_state, jax.random.PRNGKey(args.seed), args, env_info, num_updates)
     ckpt = args.resume and load(args, {"state": jax.eval_shape(init), "update": np.int64(0),
                                        "global_step": np.int64(0)})
+    if ckpt and ckpt["update"] >= num_updates:
+        fail(f"--resume {args.resume}: no update left (raise --total-timesteps)")
     replicated = NamedSharding(layout.mesh, P())
     state = jax.tree.map(lambda a: jax.make_array_from_callback(a.shape, replicated, lambda i: a[i]),
                          ckpt["state"] if ckpt else jax.device_get(init()))
@@ -624,7 +626,7 @@ def main(args):
     run = open_run(args, num_updates)
     (store := ParamStore(layout.actor_devices)).publish(start_update, state.params)
     queues = start_actors(args, layout, store, start_update, num_updates)
-    try:  # a stop exits at once: a normal exit aborts while a thread is inside envpool
+    try:  # a stop exits at once: a normal exit aborts if a thread is in envpool
         state, row = learn(args, layout, run, store, queues, state, start_update, num_updates)
     except SystemExit as stop:
         os._exit(stop.code)

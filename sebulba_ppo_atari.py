@@ -14,7 +14,7 @@ al. 2017) for Atari.
 Reading order:
     1. `actor`, `collect`: an actor thread (wait for parameters, act, step, store, queue).
     2. `learn`: the learner (take rollouts, update, publish, log, checkpoint).
-    3. `learner_update`, `ppo_loss`, `decoupled_surrogate`, `gae`: an update and its loss.
+    3. `learner_update`, `ppo_loss`, `decoupled_surrogate`, `gae`: the update.
     4. `apply` (the networks), `env_step` (envpool or gymnasium).
     5. `main`, the table of contents; skip the plumbing after it.
 
@@ -229,8 +229,8 @@ def entropy(logits):
 # ---- The loss: GAE, PPO's clipped objective (Schulman et al. 2016, 2017), decoupled
 
 def gae(rewards, values, terminated, ended, gamma, lam):
-    """Advantages [T, E]; values [T + 1, E]. A truncation bootstraps from V of its last observation
-    (the env resets on the next step); `ended` cuts the recursion."""
+    """Advantages [T, E]; values [T + 1, E]. A truncation bootstraps from V of its last
+    observation; `ended` cuts the recursion."""
     deltas = rewards + gamma * values[1:] * (1.0 - terminated) - values[:-1]
 
     def backward(next_adv, x):
@@ -249,13 +249,13 @@ def normalize(advantages, valid, axis_name):
     return (advantages - mean) / (jnp.sqrt(var) + 1e-8)
 
 def clipped_surrogate(ratio, advantages, clip):
-    """PPO's policy loss per sample: the pessimistic of the plain and clipped terms."""
+    """PPO's policy loss per sample: the worse of the plain and clipped terms."""
     return jnp.maximum(-advantages * ratio, -advantages * jnp.clip(ratio, 1 - clip, 1 + clip))
 
 def decoupled_surrogate(logp, logp_prox, logp_mu, advantages, clip):
     """Decoupled PPO (Hilton et al. 2021): the ratio is clipped around pi_prox (the parameters at the
     update's start); pi_prox / mu weights the samples, unclipped as in the paper (clipping biases
-    toward mu): it stays near 1 one update apart; the gradient clip bounds outliers."""
+    toward mu), near 1 one update apart; the gradient clip bounds outliers."""
     weight = jax.lax.stop_gradient(jnp.exp(logp_prox - logp_mu))
     ratio = jnp.exp(logp - jax.lax.stop_gradient(logp_prox))
     return weight * clipped_surrogate(ratio, advantages, clip)
@@ -284,7 +284,7 @@ class Losses(NamedTuple):
     clipfrac_first: jax.Array  # pi / mu outside it first: what plain PPO drops
 
 def ppo_loss(params, mb, args, axis_name):
-    """This learner's share of the minibatch's mean PPO loss (their psum is the mean)."""
+    """This learner's share of the minibatch's mean PPO loss (psum adds the shares)."""
     logits, values = apply(params, mb.obs)
     logp = log_prob(logits, mb.actions)
     log_ratio = logp - mb.logp_prox
@@ -297,7 +297,7 @@ def ppo_loss(params, mb, args, axis_name):
         policy_loss=share(decoupled_surrogate(logp, mb.logp_prox, mb.logp_mu, advantages, args.clip_coef)),
         value_loss=share(clipped_value_loss(values, mb.values, mb.returns, args.clip_coef)),
         entropy=share(entropy(logits)),
-        approx_kl=share(jax.lax.stop_gradient((ratio - 1) - log_ratio)),  # low-variance form
+        approx_kl=share(jax.lax.stop_gradient((ratio - 1) - log_ratio)),
         clipfrac=share(outside(ratio)),
         clipfrac_first=share(outside(jnp.exp(logp - mb.logp_mu))))
     loss = losses.policy_loss - args.ent_coef * losses.entropy + args.vf_coef * losses.value_loss
@@ -377,11 +377,11 @@ def collect(args, groups, params, states, stats):
                     step_and_store(g)
                 act_and_send(g)
         step_and_store(0), step_and_store(1)
-    bootstrap = []  # V(x_T) of each group
+    bootstrap = []  # V(x_T)
     for g, state in enumerate(states):
         _, _, value, key = act(params, state.obs, state.key)
         bootstrap, states[g] = bootstrap + [value], state._replace(key=key)
-    # [T, E, ...]: one transfer for logp_mu, values
+    # [T, E, ...]; one fetch of logp_mu, values
     rollout = jax.tree.map(lambda *x: np.concatenate(x, axis=1), *[
         jax.tree.map(lambda *x: np.stack(jax.device_get(x)), *steps) for steps in stored])
     rollout["values"] = np.concatenate([rollout["values"], np.concatenate(jax.device_get(bootstrap))[None]])
@@ -463,7 +463,7 @@ def start_actors(args, layout, store, start_update, num_updates):
 class TrainState(NamedTuple):
     params: dict
     opt_state: optax.OptState
-    key: jax.Array  # minibatches, alike on all learners
+    key: jax.Array  # alike on all learners
 
 def learning_rate(args, num_updates, update_index):  # from 0
     return args.learning_rate * (1.0 - update_index / num_updates if args.anneal_lr else 1.0)
@@ -495,7 +495,7 @@ def learner_update(state, rollout, args, optimizer):
     params, opt_state, key = state
     samples = samples._replace(logp_prox=logp_prox_of(params, samples, args.num_minibatches))
     losses = []
-    # Python loops, not lax.scan: on XLA:CPU a conv's gradient inside a scan runs about 20x slower
+    # Python loops, not lax.scan: on XLA:CPU a conv's gradient inside a scan runs ~20x slower
     # (https://github.com/google/jax/issues/12868).
     for _ in range(args.update_epochs):
         key, sub = jax.random.split(key)
@@ -564,7 +564,7 @@ def local(tree):
 def learn(args, layout, run, store, queues, state, start_update, num_updates):
     """Take rollouts, update, publish, log, checkpoint."""
     update_fn, batch = make_update(args, layout.mesh, num_updates), args.num_steps * layout.num_envs
-    window, start, row = [], time.perf_counter(), {}  # window: an update's (Losses, timings, stats) a row
+    window, start = [], time.perf_counter()  # since the last row: an update's (Losses, timings, stats)
     for update in range(start_update + 1, num_updates + 1):
         seconds = defaultdict(float)
         with timer(seconds, "learner_queue_wait"):
@@ -606,6 +606,8 @@ def initial_state(args, env_info, layout, num_updates):
     init = partial(init_state, jax.random.PRNGKey(args.seed), args, env_info, num_updates)
     ckpt = args.resume and load(args, {"state": jax.eval_shape(init), "update": np.int64(0),
                                        "global_step": np.int64(0)})
+    if ckpt and ckpt["update"] >= num_updates:
+        fail(f"--resume {args.resume}: no update left (raise --total-timesteps)")
     replicated = NamedSharding(layout.mesh, P())
     state = jax.tree.map(lambda a: jax.make_array_from_callback(a.shape, replicated, lambda i: a[i]),
                          ckpt["state"] if ckpt else jax.device_get(init()))
@@ -648,7 +650,7 @@ def main(args):
     run = open_run(args, num_updates)
     (store := ParamStore(layout.actor_devices)).publish(start_update, state.params)
     queues = start_actors(args, layout, store, start_update, num_updates)
-    try:  # a stop exits at once: a normal exit aborts while a thread is inside envpool
+    try:  # a stop exits at once: a normal exit aborts if a thread is in envpool
         state, row = learn(args, layout, run, store, queues, state, start_update, num_updates)
     except SystemExit as stop:
         os._exit(stop.code)

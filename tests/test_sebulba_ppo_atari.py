@@ -418,5 +418,5 @@ def test_resume_continues_from_the_checkpoint(tmp_path):
     with np.load(ckpt) as before, np.load(resumed.run_dir / "checkpoint.npz") as after:
         counts = [n for n in before.files if n.endswith("count")]  # Adam's steps so far
         assert counts and all(int(after[n]) == 2 * int(before[n]) > 0 for n in counts)  # 2 updates, then 2 more
-    again = run(SCRIPT, [*TINY, "--total-timesteps", 64, "--resume", ckpt], tmp_path / "c")  # nothing left to do
-    assert again.returncode == 0 and checksum(again.output) == checksum(first.output), again.output[-3000:]
+    again = run(SCRIPT, [*TINY, "--total-timesteps", 64, "--resume", ckpt], tmp_path / "c")  # no update left
+    assert "--resume" in error_line(again)
