@@ -1,4 +1,5 @@
-"""Sebulba IMPALA: the Podracer paper's actor/learner split (Hessel et al. 2021) with V-trace (Espeholt et al. 2018).
+"""Sebulba IMPALA: the Podracer paper's actor/learner split (Hessel et al. 2021) with V-trace
+(Espeholt et al. 2018).
 
     host CPU (per host)                 actor device(s)              learner devices (all hosts)
     -------------------                 ---------------              ---------------------------
@@ -9,44 +10,37 @@
                                         (device_put, bounded queue)  V-trace loss, summed over the
                                                                      batch, grads psum'd over all
                                    <------------------------------  new params (one update later)
-    Actors act with parameters at most one update old (stats/param_lag); V-trace corrects for the lag.
+
+Reading order:
+    1. `actor`, `collect`: an actor thread (wait for parameters, act, step, store, queue).
+    2. `learn`: the learner (take rollouts, update, publish, log, checkpoint).
+    3. `learner_update`, `impala_loss`, `vtrace`: an update, its loss, the paper's recursion.
+    4. `apply` (the networks), `env_step` (envpool or gymnasium).
+    5. `main`, the table of contents; skip the plumbing after it.
 
     python sebulba_impala.py --env-id CartPole-v1
     python sebulba_impala.py --env-id Pong-v5 --actor-device-ids 0 --learner-device-ids 1 2 3
-    python sebulba_impala.py --resume runs/Breakout-v5__sebulba_impala__1__1700000000/checkpoint.npz
 """
 
 import contextlib
 import dataclasses
-import difflib
-import errno
 import hashlib
 import importlib
-import itertools
 import json
 import math
 import os
 import queue
-import shutil
+import re
 import signal
-import socket
 import sys
 import threading
 import time
 import traceback
 import warnings
 from collections import defaultdict
-from concurrent.futures import ThreadPoolExecutor
 from functools import cache, partial
 from pathlib import Path
 from typing import Literal, NamedTuple
-
-STOP_PIPE = os.pipe()  # set before the slow `import jax`: stop signals only write their numbers here
-if __name__ == "__main__":
-    os.set_blocking(STOP_PIPE[1], False)
-    signal.set_wakeup_fd(STOP_PIPE[1])
-    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(signum, lambda *_: None)
 
 import jax
 import jax.numpy as jnp
@@ -55,56 +49,49 @@ import optax
 import tyro
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-from tensorboardX.event_file_writer import EventsWriter
-from tensorboardX.proto.event_pb2 import Event
-from tensorboardX.summary import scalar
+from tensorboardX import SummaryWriter
 
 import envpool
 import gymnasium as gym
 
-# a harmless gymnasium warning on envpool's classic-control specs
-warnings.filterwarnings("ignore", message=".*precision lowered.*")
+warnings.filterwarnings("ignore", message=".*precision lowered.*")  # envpool's CartPole: harmless
 
 
 @dataclasses.dataclass
 class Args:
-    """Defaults use one GPU; fill it with 2-4 actor threads x 32-64 envs and --async-envs (a larger batch learns
-    differently)."""
-
-    env_id: str = "Breakout-v5"  # envpool (Atari `*-v5`, `CartPole-v1`) or gymnasium (`module:Name-v0`) id
+    env_id: str = "Breakout-v5"  # envpool (`Pong-v5`, `CartPole-v1`) or gymnasium `module:Name-v0`
     seed: int = 1  # seeds parameters, envs and sampling
-    total_timesteps: int | None = None  # agent steps, all hosts (default: 10M images, 300k vectors)
-    learning_rate: float | None = None  # RMSProp step size (default: 6e-4 images, 5e-3 vectors)
-    anneal_lr: bool = True  # decay the step size linearly to 0 over the run
+    total_timesteps: int | None = None  # agent steps, all hosts (images 10M, vectors 300k)
+    learning_rate: float | None = None  # RMSProp step size (images 6e-4, vectors 5e-3)
+    anneal_lr: bool = True  # decay the step size linearly to 0
     actor_device_ids: list[int] | None = None  # local device indices that act (default: 0)
-    learner_device_ids: list[int] | None = None  # local device indices that learn (default: the others, else 0)
+    learner_device_ids: list[int] | None = None  # local devices that learn (default: the others or 0)
     num_actor_threads: int = 2  # per actor device: one steps envs while another acts
     local_num_envs: int = 16  # envs per actor thread
     async_envs: bool = False  # step half the envs while acting for the other half
-    num_steps: int | None = None  # rollout length per env per update (default: 20 images, 16 vectors)
+    num_steps: int | None = None  # rollout length per env (images 20, vectors 16)
     gamma: float = 0.99  # discount
     vtrace_lambda: float = 1.0  # V-trace's lambda: c_t = lambda * min(1, pi/mu)
     ent_coef: float = 0.01  # entropy bonus weight
     vf_coef: float = 0.5  # value loss weight
     max_grad_norm: float = 40.0  # global-norm gradient clipping
-    rmsprop_eps: float | None = None  # RMSProp epsilon, outside the root (default: 0.01 images, 1e-5 vectors)
-    network: Literal["deep", "shallow", "mlp"] | None = None  # IMPALA's figure 3 CNNs (default deep); mlp: vectors
-    machado: bool = False  # Machado et al. (2018): sticky actions, full action set, no life loss
-    log_every: int | None = None  # updates between metrics rows (default: 10 images, 40 vectors)
+    rmsprop_eps: float | None = None  # RMSProp epsilon (images 0.01, vectors 1e-5)
+    network: Literal["deep", "shallow", "mlp"] | None = None  # images deep or shallow (IMPALA's), vectors mlp
+    machado: bool = False  # Atari as Machado et al. (2018): sticky actions, all 18, no life loss
+    log_every: int | None = None  # updates between metrics rows (images 10, vectors 40)
     checkpoint_every: int = 100  # updates between checkpoints (and one at the end)
-    # Read by the plumbing appendix only:
+    # The plumbing's:
     exp_name: str = Path(__file__).stem  # part of the run folder's name
     run_dir: str = "runs"  # parent folder of run folders
-    resume: str | None = None  # checkpoint.npz to continue from, with the same flags (envs start afresh)
+    resume: str | None = None  # a checkpoint.npz to continue from
     distributed: bool = False  # call jax.distributed.initialize() (multi-host)
-    coordinator_address: str | None = None  # host:port of process 0 (JAX finds it on SLURM, Cloud TPU, Kubernetes)
-    num_processes: int | None = None  # number of processes (multi-host)
-    process_id: int | None = None  # this process's index (multi-host)
-    peer_timeout: int = 300  # seconds to wait for all processes to join
+    coordinator_address: str | None = None  # host:port of process 0 (or JAX detects it)
+    num_processes: int | None = None  # number of processes
+    process_id: int | None = None  # this process's index
 
 
-# For flags left at None. Images: the IMPALA paper's (appendix G). Vectors: large steps, many, as RMSProp moves a
-# weight ~one step size an update and CartPole's values reach ~100.
+# For flags left at None. Images: the IMPALA paper's (appendix G). Vectors: larger steps, as RMSProp
+# moves a weight about a step size an update and CartPole's values reach 100.
 DEFAULTS = {"image": dict(total_timesteps=10_000_000, learning_rate=6e-4, num_steps=20, rmsprop_eps=0.01,
                           network="deep", log_every=10),
             "vector": dict(total_timesteps=300_000, learning_rate=5e-3, num_steps=16, rmsprop_eps=1e-5,
@@ -115,127 +102,100 @@ DEFAULTS = {"image": dict(total_timesteps=10_000_000, learning_rate=6e-4, num_st
 
 def atari_kwargs(machado):
     """The IMPALA and PPO papers' Atari protocol, or --machado's."""
-    if machado:  # noop_max=1: no no-op starts (0 would crash envpool 1.2.5)
+    if machado:  # noop_max=1: no no-op starts (0 crashes envpool 1.2.5)
         return dict(episodic_life=False, reward_clip=True, noop_max=1,
                     repeat_action_probability=0.25, full_action_space=True)
     return dict(episodic_life=True, reward_clip=True, noop_max=30)
 
-
 class EnvInfo(NamedTuple):
-    obs_shape: tuple  # images [C, H, W]
+    obs_shape: tuple  # [D] or [C, H, W]
     num_actions: int
-    source: str  # "envpool" or "gymnasium"
-    atari: bool  # envpool Atari: info["reward"] is the unclipped score
-
-
-def env_spaces(env_id, machado):
-    if env_id in envpool.list_all_envs():
-        atari = hasattr(envpool.make_spec(env_id).config, "episodic_life")
-        spec = envpool.make_spec(env_id, **(atari_kwargs(machado) if atari else {}))
-        return spec.observation_space, spec.action_space, "envpool", atari
-    module, _, name = env_id.rpartition(":")
-    try:
-        importlib.import_module(module) if module else None
-    except Exception as err:  # also a relative name such as "../x"
-        fail(f"--env-id {env_id!r}: cannot import module {module!r} ({type(err).__name__}: {err})")
-    if name not in gym.registry:
-        close = difflib.get_close_matches(name, [*envpool.list_all_envs(), *gym.registry], n=3)
-        fail(f"--env-id {env_id!r}: unknown environment; close matches: {', '.join(close) or 'none'}")
-    probe = gym.make(name)  # gymnasium's spaces need an instance
-    probe.close()
-    return probe.observation_space, probe.action_space, "gymnasium", False
-
+    source: str  # envpool or gymnasium
+    atari: bool  # envpool's Atari
 
 @cache  # one probe per run
 def describe_env(env_id, machado):
-    obs_space, act_space, source, atari = env_spaces(env_id, machado)
-    if machado and not atari:
-        fail(f"--machado applies to Atari ids only, not {env_id!r}")
-    if not isinstance(act_space, gym.spaces.Discrete) or act_space.start != 0:
-        fail(f"--env-id {env_id!r} needs a discrete action space numbered from 0, not {act_space}")
-    if not isinstance(obs_space, gym.spaces.Box) or len(obs_space.shape) not in (1, 3):
-        fail(f"--env-id {env_id!r} needs a vector or image observation space, not {obs_space}")
+    module, _, name = env_id.rpartition(":")
+    if env_id in envpool.list_all_envs():
+        source, atari = "envpool", hasattr(envpool.make_spec(env_id).config, "episodic_life")
+        spaces = envpool.make_spec(env_id, **(atari_kwargs(machado) if atari else {}))
+    else:
+        source, atari = "gymnasium", False
+        importlib.import_module(module) if module else None  # registers `name`
+        if name not in gym.registry:
+            fail(f"--env-id {env_id!r}: no such envpool or gymnasium environment")
+        spaces = gym.make(name)
+    obs_space, act_space = spaces.observation_space, spaces.action_space
+    if not isinstance(act_space, gym.spaces.Discrete) or act_space.start != 0 or not isinstance(
+            obs_space, gym.spaces.Box) or len(obs_space.shape) not in (1, 3):
+        fail(f"--env-id {env_id!r} has {act_space}, {obs_space}: not actions from 0, vectors or images")
     shape = obs_space.shape
-    if source == "gymnasium" and len(shape) == 3:  # [H, W, C]
+    if source == "gymnasium" and len(shape) == 3:  # [H, W, C] to envpool's [C, H, W]
         shape = (shape[2], shape[0], shape[1])
     return EnvInfo(obs_shape=tuple(shape), num_actions=int(act_space.n), source=source, atari=atari)
 
-
-class Step(NamedTuple):
-    obs: np.ndarray  # [E, *obs_shape]
-    reward: np.ndarray  # [E] (Atari: clipped to [-1, 1])
-    terminated: np.ndarray  # [E] no bootstrap (Atari: a life lost too)
-    ended: np.ndarray  # [E] the next step resets
-    score: np.ndarray  # [E] (Atari: unclipped)
-    game_over: np.ndarray  # [E] (Atari: the last life lost) or truncated
-
-
 class Envs(NamedTuple):  # a batch of envs stepped together
-    pool: object  # envpool's or gymnasium's vector env
+    pool: object  # a vector env
     env_info: EnvInfo
-    seed: int
-
+    seed: int  # env i's: seed + i
 
 def make_envs(args, num_envs, seed):
     env_info = describe_env(args.env_id, args.machado)
-    if env_info.source == "gymnasium":  # autoresets on the next step, like envpool
-        pool = gym.make_vec(args.env_id.rpartition(":")[2], num_envs=num_envs, vectorization_mode="sync")
-        return Envs(pool=pool, env_info=env_info, seed=seed)
-    # the host's cores shared among all env batches
-    batches = len(args.actor_device_ids or [0]) * args.num_actor_threads * (2 if args.async_envs else 1)
-    threads = min(num_envs, max(1, len(os.sched_getaffinity(0)) // batches))
-    pool = envpool.make(args.env_id, env_type="gymnasium", num_envs=num_envs, seed=seed, num_threads=threads,
-                        **(atari_kwargs(args.machado) if env_info.atari else {}))
+    if env_info.source == "gymnasium":  # resets an ended env on the next step, as envpool does
+        pool = gym.make_vec(args.env_id.rpartition(":")[2], num_envs, vectorization_mode="sync")
+    else:  # the host's cores shared among all env batches' worker threads
+        batches = len(args.actor_device_ids or [0]) * args.num_actor_threads * (1 + args.async_envs)
+        threads = min(num_envs, max(1, len(os.sched_getaffinity(0)) // batches))
+        pool = envpool.make(args.env_id, env_type="gymnasium", num_envs=num_envs, seed=seed, num_threads=threads,
+                            **(atari_kwargs(args.machado) if env_info.atari else {}))
     return Envs(pool=pool, env_info=env_info, seed=seed)
 
-
-def host_obs(obs, env_info):
-    if env_info.source == "gymnasium" and obs.ndim == 4:
-        obs = np.moveaxis(obs, -1, 1)
+def host_obs(obs, env_info):  # images channels first; float64 vectors as float32
+    obs = np.moveaxis(obs, -1, 1) if env_info.source == "gymnasium" and obs.ndim == 4 else obs
     return obs.astype(np.float32) if obs.dtype == np.float64 else obs
-
 
 def env_reset(envs):
     obs, _ = envs.pool.reset() if envs.env_info.source == "envpool" else envs.pool.reset(seed=envs.seed)
     return host_obs(obs, envs.env_info)
 
+class Step(NamedTuple):  # Atari: a lost life ends a training episode, the last one the game
+    obs: np.ndarray  # [E, *obs_shape]
+    reward: np.ndarray  # [E] (Atari: clipped)
+    terminated: np.ndarray  # [E] no bootstrap from obs
+    ended: np.ndarray  # [E] terminated or truncated: the next step resets
+    score: np.ndarray  # [E] (Atari: unclipped)
+    game_over: np.ndarray  # [E] the game ended or was cut
 
-def env_send(envs, actions):
-    """Start a step in envpool's threads; env_step(..., sent=True) collects it."""
+def env_send(envs, actions):  # envpool steps them in its threads
     if envs.env_info.source == "envpool":
         envs.pool.send(actions)
 
-
 def env_step(envs, actions, sent=False):
-    """The Step of `actions`, or with `sent` of those env_send started."""
-    if sent and envs.env_info.source == "envpool":
+    if sent and envs.env_info.source == "envpool":  # those env_send started
         obs, reward, terminated, truncated, info = envs.pool.recv()
     else:
         obs, reward, terminated, truncated, info = envs.pool.step(actions)
-    if envs.env_info.atari:
-        score, game_over = info["reward"], info["terminated"].astype(bool) | truncated  # the whole game's
-    else:
-        score, game_over = reward, terminated | truncated
+    score, game_over = reward, terminated | truncated
+    if envs.env_info.atari:  # the whole game's, not the training episode's
+        score, game_over = info["reward"], info["terminated"].astype(bool) | truncated
     return Step(obs=host_obs(obs, envs.env_info), reward=reward.astype(np.float32), terminated=terminated,
                 ended=terminated | truncated, score=score, game_over=game_over)
 
 
 # ---- The network: IMPALA's figure 3 CNNs (no LSTM) or an MLP
 
-IMPALA_CHANNELS = (16, 32, 32)  # deep: three stacks of a conv, a max-pool, two residual blocks
+IMPALA_CHANNELS = (16, 32, 32)  # deep: stacks of a conv, a max-pool, 2 residual blocks
 SHALLOW_CONVS = ((16, 8, 4), (32, 4, 2))  # shallow: (channels, kernel, stride), "VALID" padding
-
 
 def dense_init(key, n_in, n_out, scale):
     return {"w": jax.nn.initializers.orthogonal(scale)(key, (n_in, n_out)), "b": jnp.zeros(n_out)}
 
-
 def conv_init(key, c_in, c_out, size=3):
     return {"w": jax.nn.initializers.he_normal()(key, (size, size, c_in, c_out)), "b": jnp.zeros(c_out)}
 
-
 def init_params(key, obs_shape, num_actions, network):
-    keys, torso = iter(jax.random.split(key, 32)), {}  # a key a layer: split's i-th key is the same for any count
+    # A key a layer. split(key, 32)[i] does not depend on 32, so that count changes nothing.
+    keys, torso = iter(jax.random.split(key, 32)), {}
     if network == "mlp":
         for head in ("policy", "value"):  # unshared: value errors would swamp the policy
             torso[f"{head}0"] = dense_init(next(keys), obs_shape[0], 64, np.sqrt(2))
@@ -248,7 +208,7 @@ def init_params(key, obs_shape, num_actions, network):
                 stack = torso[f"stack{i}"] = {"conv": conv_init(next(keys), c_in, c)}
                 for j in range(2):
                     stack[f"block{j}"] = {"conv0": conv_init(next(keys), c, c), "conv1": conv_init(next(keys), c, c)}
-                c_in, h, w = c, (h + 1) // 2, (w + 1) // 2  # the max-pool ("SAME", stride 2) rounds up
+                c_in, h, w = c, (h + 1) // 2, (w + 1) // 2  # the max-pool ("SAME", stride 2)
         else:
             for i, (c, size, stride) in enumerate(SHALLOW_CONVS):
                 torso[f"conv{i}"] = conv_init(next(keys), c_in, c, size)
@@ -257,24 +217,20 @@ def init_params(key, obs_shape, num_actions, network):
     return {"torso": torso, "policy": dense_init(next(keys), hidden, num_actions, 0.01),
             "value": dense_init(next(keys), hidden, 1, 1.0)}
 
-
 def dense(p, x):
     return x @ p["w"] + p["b"]
-
 
 def conv(p, x, stride=1, padding="SAME"):  # x [N, H, W, C]
     return jax.lax.conv_general_dilated(x, p["w"], (stride, stride), padding,
                                         dimension_numbers=("NHWC", "HWIO", "NHWC")) + p["b"]
 
-
 def image_input(obs):  # [N, C, H, W] -> [N, H, W, C] float, uint8 scaled to [0, 1]
     x = jnp.transpose(obs, (0, 2, 3, 1)).astype(jnp.float32)
     return x / 255.0 if obs.dtype == jnp.uint8 else x
 
-
-def features(p, obs, network):  # obs [N, *obs_shape] -> policy and value features [N, 256] (mlp: [N, 64])
+def features(p, obs, network):  # obs [N, *obs_shape] -> policy, value features [N, 256 or 64]
     if network == "mlp":
-        return [jnp.tanh(dense(p[f"{head}1"], jnp.tanh(dense(p[f"{head}0"], obs)))) for head in ("policy", "value")]
+        return [jnp.tanh(dense(p[f"{h}1"], jnp.tanh(dense(p[f"{h}0"], obs)))) for h in ("policy", "value")]
     x = image_input(obs)
     if network == "deep":
         for i in range(len(IMPALA_CHANNELS)):
@@ -290,36 +246,32 @@ def features(p, obs, network):  # obs [N, *obs_shape] -> policy and value featur
     x = jax.nn.relu(dense(p["dense"], x.reshape(x.shape[0], -1)))
     return x, x  # shared by both heads
 
-
 def apply(params, obs, network):
     """obs [..., *obs_shape] -> (policy logits [..., A], value [...])."""
     batch_shape = obs.shape[: obs.ndim - (1 if network == "mlp" else 3)]
-    policy_h, value_h = features(params["torso"], obs.reshape(-1, *obs.shape[len(batch_shape):]), network)
+    obs = obs.reshape(-1, *obs.shape[len(batch_shape):])
+    policy_h, value_h = features(params["torso"], obs, network)
     logits, value = dense(params["policy"], policy_h), dense(params["value"], value_h)[:, 0]
     return logits.reshape(*batch_shape, -1), value.reshape(batch_shape)
 
-
 def log_prob(logits, actions):
     return jnp.take_along_axis(jax.nn.log_softmax(logits), actions[..., None], -1)[..., 0]
-
 
 def entropy(logits):
     logp = jax.nn.log_softmax(logits)
     return -(jnp.exp(logp) * logp).sum(-1)
 
 
-# ---- The loss: V-trace (IMPALA paper 4.1, rho-bar = c-bar = 1) and its policy gradient
+# ---- The loss: V-trace (IMPALA paper 4.1, rho-bar = c-bar = 1), its policy gradient
 
 class VTrace(NamedTuple):
     vs: jax.Array  # [T, E] value targets v_s
     pg_advantages: jax.Array  # [T, E] rho_s (r_s + gamma_s v_{s+1} - V(x_s))
 
-
 def vtrace(values, rewards, discounts, rhos, valid, lambda_):
-    """V-trace targets by the paper's recursion v_s - V(x_s) = delta_s + gamma_s c_s (v_{s+1} - V(x_{s+1})).
-
-    values [T+1, E], the rest [T, E]. discounts are 0 after a termination; a truncation bootstraps from its final
-    observation x_{t+1}. A reset step (valid 0) adds nothing and cuts the trace."""
+    """V-trace targets by the paper's recursion v_s - V(x_s) = delta_s + gamma_s c_s (v_{s+1} -
+    V(x_{s+1})). values [T+1, E], the rest [T, E]. A truncation bootstraps from its last
+    observation x_{t+1}; a reset step (valid 0) adds nothing and cuts the trace."""
     clipped_rhos = jnp.minimum(1.0, rhos)
     cs = lambda_ * clipped_rhos
     deltas = valid * clipped_rhos * (rewards + discounts * values[1:] - values[:-1])
@@ -335,20 +287,18 @@ def vtrace(values, rewards, discounts, rhos, valid, lambda_):
     pg_advantages = valid * clipped_rhos * (rewards + discounts * vs_next - values[:-1])
     return VTrace(vs=jax.lax.stop_gradient(vs), pg_advantages=jax.lax.stop_gradient(pg_advantages))
 
-
 class Losses(NamedTuple):
     loss: jax.Array
     policy_loss: jax.Array
     value_loss: jax.Array
     entropy: jax.Array
 
-
 def impala_loss(params, rollout, args):
-    """A sum over this learner's valid steps, as in the IMPALA paper: with RMSProp's epsilon 0.01, a mean's
-    gradients (T x E times smaller) would be swamped."""
+    """A sum over this learner's valid steps, as in the IMPALA paper: with RMSProp's epsilon 0.01,
+    a mean's gradients (T x E times smaller) would be swamped."""
     logits, values = apply(params, rollout.obs, args.network)  # [T+1, E, A], [T+1, E]
-    logp_taken = log_prob(logits[:-1], rollout.actions)
-    rhos = jnp.exp(logp_taken - log_prob(rollout.logits, rollout.actions))  # pi / mu, the lag's importance weights
+    logp_taken = log_prob(logits[:-1], rollout.actions)  # log pi; the rhos pi / mu undo the lag
+    rhos = jnp.exp(logp_taken - log_prob(rollout.logits, rollout.actions))
     discounts = args.gamma * (1.0 - rollout.terminated)
     targets = vtrace(values, rollout.rewards, discounts, rhos, rollout.valid, args.vtrace_lambda)
     policy_loss = -jnp.sum(rollout.valid * logp_taken * targets.pg_advantages)
@@ -358,7 +308,7 @@ def impala_loss(params, rollout, args):
     return loss, Losses(loss=loss, policy_loss=policy_loss, value_loss=value_loss, entropy=entropy_sum)
 
 
-# ---- Acting (actor devices)
+# ---- Acting (actor threads, actor devices)
 
 @partial(jax.jit, static_argnames="network")
 def act(params, obs, key, network):
@@ -366,7 +316,6 @@ def act(params, obs, key, network):
     logits, _ = apply(params, obs, network)
     actions = jax.random.categorical(sub, logits)
     return actions, logits, key
-
 
 class Rollout(NamedTuple):  # --num-steps steps of E envs
     obs: np.ndarray  # [T + 1, E, *obs_shape] x_0..x_T; x_T bootstraps
@@ -376,70 +325,78 @@ class Rollout(NamedTuple):  # --num-steps steps of E envs
     terminated: np.ndarray  # [T, E] 1.0: no bootstrap after step t
     valid: np.ndarray  # [T, E] 0.0: step t is a reset step
 
-
-class ActorState(NamedTuple):  # carried from step to step
+class ActorState(NamedTuple):  # an env group's, from step to step
     obs: np.ndarray  # [E, *obs_shape] to act on
     key: jax.Array  # on the actor device
     ended: np.ndarray  # [E] obs ends an episode: the next step resets
     game_return: np.ndarray  # [E] (Atari: unclipped)
-    game_length: np.ndarray  # [E] agent steps
-
+    game_length: np.ndarray  # [E]
 
 class ActorStats(NamedTuple):  # sent with each rollout
     returns: list  # of the games that ended
     lengths: list
-    lag: int  # updates behind the learner's parameters
-    seconds: dict  # timings of the rollout
-
+    lag: int  # stats/param_lag
+    seconds: dict  # timings
 
 def track_games(state, step, stats):
-    """The ActorState after `step`; the games it ended go to `stats`."""
+    """The ActorState after `step`; ended games go to `stats`."""
     game_return = state.game_return + step.score
-    game_length = state.game_length + np.where(state.ended, 0, 1)  # a reset step is no step of a game
+    # A reset step is no move of the game: it only returns the first observation.
+    game_length = state.game_length + np.where(state.ended, 0, 1)
     over = step.game_over
     stats.returns.extend(game_return[over].tolist())
     stats.lengths.extend(game_length[over].tolist())
-    return ActorState(obs=step.obs, key=state.key, ended=step.ended,
-                      game_return=np.where(over, 0.0, game_return), game_length=np.where(over, 0, game_length))
-
+    return ActorState(obs=step.obs, key=state.key, ended=step.ended, game_return=np.where(over, 0.0,
+                      game_return), game_length=np.where(over, 0, game_length))
 
 def collect(args, groups, params, states, stats):
-    """--num-steps steps of each group, taking turns: envpool steps one while the policy acts for the next."""
-    steps, states = [[] for _ in groups], list(states)  # per group: a dict of [E] arrays a step
-    for t in range(args.num_steps + 1):
-        for g, envs in enumerate(groups):
-            if t > 0:  # the step this group sent at t - 1
-                with timer(stats.seconds, "env_step_time"):
-                    step = env_step(envs, steps[g][-1]["actions"], sent=True)
-                steps[g][-1].update(rewards=step.reward, terminated=step.terminated.astype(np.float32),
-                                    valid=(~states[g].ended).astype(np.float32))
-                states[g] = track_games(states[g], step, stats)
-            if t < args.num_steps:
-                with timer(stats.seconds, "inference_time"):
-                    actions, logits, key = act(params, states[g].obs, states[g].key, args.network)
-                    actions = np.asarray(actions)  # the logits: fetched once, at the end
-                env_send(envs, actions)
-                steps[g].append(dict(obs=states[g].obs, actions=actions, logits=logits))
-                states[g] = states[g]._replace(key=key)
-    rollout = jax.tree.map(lambda *x: np.concatenate(x, axis=1), *[  # [T, E, ...]
-        jax.tree.map(lambda *x: np.stack(jax.device_get(x)), *group) for group in steps])
+    """--num-steps steps of each env group: act, step, store."""
+    stored = [[] for _ in groups]  # a group's steps, dicts of [E] arrays
+
+    def act_and_send(g):
+        with timer(stats.seconds, "inference_time"):
+            actions, logits, key = act(params, states[g].obs, states[g].key, args.network)
+            actions = np.asarray(actions)  # the logits stay on the device till the end
+        env_send(groups[g], actions)
+        stored[g].append(dict(obs=states[g].obs, actions=actions, logits=logits))
+        states[g] = states[g]._replace(key=key)
+
+    def step_and_store(g):
+        with timer(stats.seconds, "env_step_time"):
+            step = env_step(groups[g], stored[g][-1]["actions"], sent=True)
+        stored[g][-1].update(rewards=step.reward, terminated=step.terminated.astype(np.float32),
+                             valid=(~states[g].ended).astype(np.float32))
+        states[g] = track_games(states[g], step, stats)
+
+    if not args.async_envs:
+        for _ in range(args.num_steps):
+            act_and_send(0)
+            step_and_store(0)
+    else:  # --async-envs: two halves; the policy acts for one while envpool steps the other
+        for t in range(args.num_steps):
+            for g in (0, 1):
+                if t > 0:
+                    step_and_store(g)
+                act_and_send(g)
+        step_and_store(0), step_and_store(1)
+    # [T, E, ...]; one transfer fetches all the logits
+    rollout = jax.tree.map(lambda *x: np.concatenate(x, axis=1), *[
+        jax.tree.map(lambda *x: np.stack(jax.device_get(x)), *steps) for steps in stored])
     rollout["obs"] = np.concatenate([rollout["obs"], np.concatenate([s.obs for s in states])[None]])
     return Rollout(**rollout), states
 
-
 def start_groups(args, index, device, start_update):
-    """Actor thread `index`'s env groups (with --async-envs two halves that take turns, else one), first states."""
+    """Actor thread `index`'s env groups (--async-envs: two halves) and first states."""
     num_groups = 2 if args.async_envs else 1
     n = args.local_num_envs // num_groups
     groups, states = [], []
     for i in range(index * num_groups, (index + 1) * num_groups):
         groups.append(make_envs(args, n, args.seed + i * n))
-        # Each group, and a resumed run, samples from its own stream.
+        # Each group, and each resumed run, samples from its own stream.
         key = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(args.seed), start_update), 1 + i)
-        states.append(ActorState(obs=env_reset(groups[-1]), key=jax.device_put(key, device), ended=np.zeros(n, bool),
-                                 game_return=np.zeros(n), game_length=np.zeros(n, int)))
+        states.append(ActorState(obs=env_reset(groups[-1]), key=jax.device_put(key, device), ended=np.zeros(
+            n, bool), game_return=np.zeros(n), game_length=np.zeros(n, int)))
     return groups, states
-
 
 @contextlib.contextmanager
 def timer(seconds, name):
@@ -447,109 +404,79 @@ def timer(seconds, name):
     yield
     seconds[name] += time.perf_counter() - start
 
-
-class Stopped(Exception):
-    """The run is stopping: whoever waits gives up."""
-
-
-def until_stopped(op, stopping, *op_args):
-    """`q.put` or `q.get`, raising Stopped once `stopping()`."""
-    while not stopping():
-        with contextlib.suppress(queue.Full, queue.Empty):
-            return op(*op_args, timeout=0.5)
-    raise Stopped
-
-
 class ParamStore:
-    """The newest parameters on each actor device, and their version (updates made)."""
+    """The newest parameters on each actor device and their version (updates made)."""
 
     def __init__(self, devices):
         self.cond, self.devices, self.version, self.params = threading.Condition(), devices, -1, None
 
-    def publish(self, version, params):  # params: the learners' replicated global arrays
+    def publish(self, version, params):
         params = {d: jax.device_put(local(params), d) for d in self.devices}
         with self.cond:
             self.version, self.params = version, params
             self.cond.notify_all()
 
-    def wait(self, min_version, stop):
+    def wait(self, min_version):
         with self.cond:
-            while not self.cond.wait_for(lambda: self.version >= min_version, timeout=0.5):
-                if stop.is_set():
-                    raise Stopped
+            self.cond.wait_for(lambda: self.version >= min_version)
             return self.version, self.params
 
+# The policy lag. Rollout u of an actor thread (u = 0, 1, ...) feeds update u + 1 and acts with
+# the newest version published, at least u - 1 (version v: the parameters after v updates). So
+# while the learners compute update u from rollout u - 1, the actors collect rollout u with
+# version u - 1: one update behind (stats/param_lag); V-trace's pi / mu corrects for it.
 
-class Shared(NamedTuple):  # among this host's threads
-    layout: "Layout"
-    store: ParamStore
-    queues: list  # one bounded queue of rollouts per actor thread
-    stop: threading.Event  # set at the end or when an actor thread fails
-    errors: list  # the failed threads' tracebacks
-    caught: list  # stop signals (catch_stop_signals)
-    run: "Run"
-    start_update: int  # the update resumed after (else 0)
-    num_updates: int
-    batch: int  # steps per update
-
-
-def actor_loop(args, shared, i):
-    device = shared.layout.actor_devices[i // args.num_actor_threads]
-    index = jax.process_index() * len(shared.queues) + i  # among all hosts' threads
-    groups, states = start_groups(args, index, device, shared.start_update)
-    seconds = defaultdict(float, actor_queue_wait=0.0)  # this rollout's timings
-    for u in range(shared.start_update, shared.num_updates):
-        # Rollout u feeds update u + 1 and may act with version u - 1.
-        with timer(seconds, "actor_params_wait"):
-            version, params = shared.store.wait(u - 1, shared.stop)
-        stats = ActorStats(returns=[], lengths=[], lag=u - version, seconds=seconds)
-        with timer(seconds, "rollout_time"):
+def actor(args, index, device, learners, store, rollouts, updates):
+    """Actor thread `index` of all hosts' makes rollout u for each u in `updates`."""
+    groups, states = start_groups(args, index, device, updates.start)
+    for u in updates:
+        version, params = store.wait(u - 1)
+        stats = ActorStats(returns=[], lengths=[], lag=u - version, seconds=defaultdict(float))
+        with timer(stats.seconds, "rollout_time"):
             rollout, states = collect(args, groups, params[device], states, stats)
-            learners = shared.layout.learner_devices  # a share of the envs each
-            parts = [jax.device_put(jax.tree.map(lambda x: np.split(x, len(learners), axis=1)[k], rollout), d)
-                     for k, d in enumerate(learners)]
-        seconds = defaultdict(float)  # the next rollout's
-        with timer(seconds, "actor_queue_wait"):
-            until_stopped(shared.queues[i].put, shared.stop.is_set, (parts, stats))
+            split = lambda k: jax.tree.map(lambda x: np.split(x, len(learners), axis=1)[k], rollout)
+            pieces = [jax.device_put(split(k), d) for k, d in enumerate(learners)]  # on learner k
+        rollouts.put((pieces, stats))
+
+def start_actors(args, layout, store, start_update, num_updates):
+    """This host's actor threads, a queue each."""
+    def crash(hook):  # a raise ends the run, or the learner would wait forever
+        traceback.print_exception(hook.exc_type, hook.exc_value, hook.exc_traceback)
+        os._exit(1)
+
+    threading.excepthook = crash
+    num_threads = len(layout.actor_devices) * args.num_actor_threads
+    queues = [queue.Queue(maxsize=1) for _ in range(num_threads)]
+    for i, rollouts in enumerate(queues):
+        index = jax.process_index() * num_threads + i
+        device = layout.actor_devices[i // args.num_actor_threads]
+        threading.Thread(target=actor, name=f"actor{i}", daemon=True, args=(args, index, device,
+                         layout.learner_devices, store, rollouts, range(start_update, num_updates))).start()
+    return queues
 
 
-def actor_thread(args, shared, i):
-    """A failure stops the run; main prints its traceback."""
-    try:
-        actor_loop(args, shared, i)
-    except Stopped:
-        pass
-    except BaseException:
-        shared.errors.append(f"in thread {threading.current_thread().name}:\n{traceback.format_exc()}")
-        shared.stop.set()
-
-
-# ---- Learning (learner devices): one IMPALA update in one compiled call
+# ---- Learning (learner devices): an IMPALA update, one compiled call
 
 class TrainState(NamedTuple):
     params: dict
     opt_state: optax.OptState
 
-
-def learning_rate(args, num_updates, update_index):  # 0 is the first update
+def learning_rate(args, num_updates, update_index):  # from 0
     return args.learning_rate * (1.0 - update_index / num_updates if args.anneal_lr else 1.0)
 
-
 def make_optimizer(args, num_updates):
-    """The IMPALA paper's RMSProp, epsilon outside the root as in torchbeast and Cleanba: inside (optax's default),
-    0.01 floors the denominator at 0.1 and the policy barely moves on Atari."""
+    """RMSProp with epsilon outside the root, as in torchbeast and Cleanba; the IMPALA paper's has it
+    inside (optax's default), where 0.01 floors the denominator at 0.1: the policy barely moves."""
     lr = lambda count: learning_rate(args, num_updates, count)
     return optax.chain(optax.clip_by_global_norm(args.max_grad_norm),
                        optax.rmsprop(lr, decay=0.99, eps=args.rmsprop_eps, eps_in_sqrt=False))
-
 
 def init_state(key, args, env_info, num_updates):
     params = init_params(key, env_info.obs_shape, env_info.num_actions, args.network)
     return TrainState(params=params, opt_state=make_optimizer(args, num_updates).init(params))
 
-
 def learner_update(state, rollout, args, optimizer):
-    """One IMPALA update on this learner's share [T, E_l, ...] of the rollouts (inside shard_map)."""
+    """An IMPALA update from this learner's share [T, E_l, ...] of the rollouts (in shard_map)."""
     grads, losses = jax.grad(impala_loss, has_aux=True)(state.params, rollout, args)
     # The learners' sums add up; losses are logged per valid step.
     grads, losses, num_valid = jax.lax.psum((grads, losses, rollout.valid.sum()), "devices")
@@ -557,11 +484,10 @@ def learner_update(state, rollout, args, optimizer):
     losses = jax.tree.map(lambda x: x / jnp.maximum(num_valid, 1.0), losses)
     return TrainState(params=optax.apply_updates(state.params, updates), opt_state=opt_state), losses
 
-
 def make_update(args, mesh, num_updates):
     body = partial(learner_update, args=args, optimizer=make_optimizer(args, num_updates))
-    # check_vma=False: the body psums the gradients itself; with the check, JAX would already have summed
-    # those of the replicated (P()) parameters.
+    # check_vma=False: the body psums the gradients itself; with the check, JAX would already
+    # have summed those of the replicated (P()) parameters.
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P(None, "devices")), out_specs=(P(), P()),
                                  check_vma=False))
 
@@ -571,21 +497,18 @@ def make_update(args, mesh, num_updates):
 class Layout(NamedTuple):
     actor_devices: list  # this host's
     learner_devices: list  # this host's, in mesh order
-    mesh: Mesh  # every host's learner devices, one axis "devices"
+    mesh: Mesh  # all hosts' learner devices, axis "devices"
     num_envs: int  # of all hosts
 
-
 def pick_devices(args):
-    n = len(jax.local_devices())
+    n = jax.local_device_count()
     actors = args.actor_device_ids or [0]
     learners = args.learner_device_ids or ([i for i in range(n) if i not in actors] or [0])
-    for flag_name, ids in (("--actor-device-ids", actors), ("--learner-device-ids", learners)):
+    for flag, ids in (("--actor-device-ids", actors), ("--learner-device-ids", learners)):
         if not all(0 <= i < n for i in ids) or len(set(ids)) < len(ids):
-            fail(f"{flag_name} {' '.join(map(str, ids))}: give distinct indices in 0..{n - 1} (this host has "
-                 f"{n} devices)")
+            fail(f"{flag} {ids}: give distinct indices in 0..{n - 1}")
     if n > 1 and set(actors) & set(learners):
-        fail(f"--learner-device-ids {' '.join(map(str, learners))} share a device with --actor-device-ids "
-             f"{' '.join(map(str, actors))}; with {n} devices give each role its own")
+        fail(f"--learner-device-ids {learners} share a device with --actor-device-ids {actors}")
     hosts = [[d for d in jax.devices() if d.process_index == p] for p in range(jax.process_count())]
     mesh = Mesh(np.array([host[i] for host in hosts for i in learners]), ("devices",))
     mine = hosts[jax.process_index()]
@@ -593,26 +516,16 @@ def pick_devices(args):
     return Layout(actor_devices=[mine[i] for i in actors], learner_devices=[mine[i] for i in learners], mesh=mesh,
                   num_envs=num_envs)
 
+def assemble(pieces, mesh):
+    """The global Rollout [T, all envs, ...]: learner k's shard joins each thread's piece k."""
+    shards = [jax.tree.map(lambda *x: jnp.concatenate(x, axis=1), *pieces_k) for pieces_k in zip(*pieces)]
+    sharding = NamedSharding(mesh, P(None, "devices"))
 
-def start_actors(args, shared):
-    threads = [threading.Thread(target=actor_thread, args=(args, shared, i), name=f"actor{i}", daemon=True)
-               for i in range(len(shared.queues))]
-    for t in threads:
-        t.start()
-    return threads
+    def whole(first, *rest):
+        shape = (first.shape[0], first.shape[1] * mesh.size, *first.shape[2:])
+        return jax.make_array_from_single_device_arrays(shape, sharding, [first, *rest])
 
-
-def assemble(parts, layout):
-    """One global Rollout [T, all envs, ...] from the actor threads' parts."""
-    per_device = [jax.tree.map(lambda *x: jnp.concatenate(x, axis=1), *shares) for shares in zip(*parts)]
-    sharding = NamedSharding(layout.mesh, P(None, "devices"))
-
-    def glue(*shards):
-        shape = (shards[0].shape[0], shards[0].shape[1] * layout.mesh.size, *shards[0].shape[2:])
-        return jax.make_array_from_single_device_arrays(shape, sharding, list(shards))
-
-    return jax.tree.map(glue, *per_device)
-
+    return jax.tree.map(whole, *shards)
 
 def local(tree):
     """This host's copy of replicated global arrays."""
@@ -621,437 +534,193 @@ def local(tree):
 
 # ---- The learner loop (main thread)
 
-def receive(shared):
-    """Each local actor thread's (parts, ActorStats); None once a stop signal is caught."""
-    with contextlib.suppress(Stopped):
-        return [until_stopped(q.get, lambda: shared.stop.is_set() or bool(shared.caught)) for q in shared.queues]
-    if shared.stop.is_set():  # an actor thread failed
-        raise Stopped
-    return None
-
-
-def learn(args, shared, state):
-    update_fn, start, row = make_update(args, shared.layout.mesh, shared.num_updates), time.perf_counter(), {}
-    window = Window(start=start, actors=[], losses=[], learner=[])
-    for update in range(shared.start_update + 1, shared.num_updates + 1):
+def learn(args, layout, run, store, queues, state, start_update, num_updates):
+    """Take rollouts, update, publish, log, checkpoint."""
+    update_fn, batch = make_update(args, layout.mesh, num_updates), args.num_steps * layout.num_envs
+    window, start = [], time.perf_counter()  # since the last row: an update's (Losses, timings, stats)
+    for update in range(start_update + 1, num_updates + 1):
         seconds = defaultdict(float)
         with timer(seconds, "learner_queue_wait"):
-            received = receive(shared)
-        safe_point_after(args, shared, state, update - 1)  # on a stop signal (received is None) it exits
+            received = [rollouts.get() for rollouts in queues]  # rollout update - 1 of each thread
         with timer(seconds, "learner_time"):
-            state, losses = update_fn(state, assemble([parts for parts, _ in received], shared.layout))
-            shared.store.publish(update, state.params)
+            state, losses = update_fn(state, assemble([pieces for pieces, _ in received], layout.mesh))
+            store.publish(update, state.params)
             losses = jax.device_get(local(losses))
-        check_finite(losses._asdict(), update, shared.run)
-        window.losses.append(losses)
-        window.learner.append(seconds)
-        window.actors.extend(stats for _, stats in received)
-        if update % args.log_every == 0 or update in (shared.start_update + 1, shared.num_updates):
-            row = report(args, shared, window, update, start)
-            window = Window(start=time.perf_counter(), actors=[], losses=[], learner=[])
+        window.append((losses, seconds, [stats for _, stats in received]))
+        if update % args.log_every == 0 or update in (start_update + 1, num_updates):
+            row = report(args, run, window, time.perf_counter() - start, update, batch)
+            window, start = [], time.perf_counter()
+        checkpoint = lambda: {"state": jax.device_get(local(state)), "update": np.int64(update),
+                              "global_step": np.int64(update * batch)}
+        safe_point(args, run, update, update % args.checkpoint_every == 0 or update == num_updates, checkpoint)
     return state, row
 
+def report(args, run, window, seconds, update, batch):
+    """CleanRL's metrics, and Cleanba's timings (mean seconds)."""
+    mean = lambda xs: float(np.mean(xs))
+    losses, learner, actors = zip(*window)
+    actors = [stats for update_stats in actors for stats in update_stats]
+    row = {"global_step": update * batch, "update": update, "charts/SPS": len(window) * batch / seconds,
+           "charts/learning_rate": learning_rate(args, run.num_updates, update - 1),  # the last update's
+           "stats/param_lag": max(stats.lag for stats in actors)}
+    for name, values in zip(Losses._fields, zip(*losses)):
+        row[f"losses/{name}"] = mean(values)
+    for timings in (learner, [stats.seconds for stats in actors]):
+        for name in timings[0]:
+            row[f"stats/{name}"] = mean([t[name] for t in timings])
+    if returns := [r for stats in actors for r in stats.returns]:
+        row["charts/episodic_return"] = mean(returns)
+        row["charts/episodic_length"] = mean([n for stats in actors for n in stats.lengths])
+    log(run, row)
+    return row
 
-def safe_point_after(args, shared, state, update, last=False):
-    """The safe point after `update`: a checkpoint when due or `last`; on a stop signal in any process, one and exit."""
-    def write():  # process 0 alone fetches: the others would only pay the transfer
-        if shared.run.checkpoint is not None:
-            save(shared.run, {"state": jax.device_get(local(state)), "update": np.int64(update),
-                              "global_step": np.int64(update * shared.batch)}, args)
-
-    due = last or (update > shared.start_update and update % args.checkpoint_every == 0)
-    safe_point(shared.caught, update, shared.run, write, due)
-
-
-def initial_state(args, env_info, layout, batch):
-    """The replicated TrainState, fresh or --resume's, and the update it starts after."""
-    init = partial(init_state, jax.random.PRNGKey(args.seed), args, env_info, args.total_timesteps // batch)
-    template = {"state": jax.eval_shape(init), "update": np.int64(0), "global_step": np.int64(0)}
-    ckpt = load(args, template, batch, "a checkpoint of sebulba_impala.py?") if args.resume else None
+def initial_state(args, env_info, layout, num_updates):
+    """The replicated TrainState, new or --resume's, and its update."""
+    init = partial(init_state, jax.random.PRNGKey(args.seed), args, env_info, num_updates)
+    ckpt = args.resume and load(args, {"state": jax.eval_shape(init), "update": np.int64(0),
+                                       "global_step": np.int64(0)})
+    if ckpt and ckpt["update"] >= num_updates:
+        fail(f"--resume {args.resume}: no update left (raise --total-timesteps)")
     replicated = NamedSharding(layout.mesh, P())
     state = jax.tree.map(lambda a: jax.make_array_from_callback(a.shape, replicated, lambda i: a[i]),
                          ckpt["state"] if ckpt else jax.device_get(init()))
     return state, int(ckpt["update"]) if ckpt else 0
 
 
-# ---- The metrics: CleanRL's names and Cleanba's timing scalars
-
-class Window(NamedTuple):  # since the last metrics row
-    start: float  # time.perf_counter()
-    actors: list  # ActorStats of every rollout
-    losses: list  # Losses of every update
-    learner: list  # timings of every update
-
-
-def report(args, shared, window, update, start):
-    mean = lambda xs: float(np.mean(xs))
-    row = {"global_step": update * shared.batch, "update": update,
-           "charts/SPS": len(window.losses) * shared.batch / (time.perf_counter() - window.start),
-           "charts/learning_rate": learning_rate(args, shared.num_updates, update - 1),  # the last update's
-           "stats/param_lag": max(s.lag for s in window.actors),
-           **{f"losses/{k}": mean(v) for k, v in zip(Losses._fields, zip(*window.losses))},
-           **{f"stats/{k}": mean([s.seconds[k] for s in window.actors]) for k in window.actors[0].seconds},
-           **{f"stats/{k}": mean([seconds[k] for seconds in window.learner]) for k in window.learner[0]}}
-    if returns := [r for s in window.actors for r in s.returns]:
-        row["charts/episodic_return"] = mean(returns)
-        row["charts/episodic_length"] = mean([n for s in window.actors for n in s.lengths])
-    eta = (time.perf_counter() - start) / (update - shared.start_update) * (shared.num_updates - update)
-    log(shared.run, row, shared.num_updates, shared.num_updates * shared.batch, eta)
-    return row
-
-
 # ---- This script's flags
 
 def check_args(args):
-    """Returns the args, defaults filled in, and the EnvInfo."""
     env_info = describe_env(args.env_id, args.machado)
     image = len(env_info.obs_shape) == 3
-    if args.network is None and image and not args.distributed and jax.default_backend() == "cpu":
-        say("note: on CPUs --network shallow runs ~16x faster than the default deep ResNet, which needs far fewer "
-            "steps on Pong (README.md: Speed, IMPALA's RMSProp and network)")
     family = DEFAULTS["image" if image else "vector"]
     args = dataclasses.replace(args, **{k: v for k, v in family.items() if getattr(args, k) is None})
-    check_flags(args, unit=("gamma", "vtrace_lambda"), positive=("learning_rate", "rmsprop_eps"))
     if (args.network == "mlp") == image:
-        fail(f"--network {args.network} does not fit observations of shape {env_info.obs_shape} (vectors take mlp, "
-             "images deep or shallow)")
+        fail(f"--network {args.network} does not fit {env_info.obs_shape}: mlp takes vectors")
     if args.network == "shallow" and min(env_info.obs_shape[1:]) < 20:
-        fail(f"--network shallow takes images of at least 20x20, not observations of shape {env_info.obs_shape}")
+        fail(f"--network shallow takes images of 20x20 or more, not {env_info.obs_shape}")
+    if args.max_grad_norm <= 0:
+        fail(f"--max-grad-norm {args.max_grad_norm} would clip every gradient to 0")
     return args, env_info
 
-
-def check_sizes(args, layout, env_info):
-    """Counts that must divide or fit; returns the steps per update."""
+def check_sizes(args, layout):
     n_learners = len(layout.learner_devices)
     if args.local_num_envs % n_learners:
-        fail(f"--local-num-envs {args.local_num_envs} must divide evenly across {n_learners} learner devices")
+        fail(f"--local-num-envs {args.local_num_envs} must divide among {n_learners} learners")
     if args.async_envs and args.local_num_envs % 2:
-        fail(f"--local-num-envs {args.local_num_envs} must be even with --async-envs (two halves take turns)")
-    check_seed(args.seed, 2**31 - layout.num_envs + 1)  # env i of the run is seeded with seed + i
-    # Each actor thread's rollouts: one collected, one queued, one learned from.
-    threads = len(layout.actor_devices) * args.num_actor_threads
-    obs_bytes = np.prod(env_info.obs_shape) * (1 if env_info.atari else 4)  # uint8 frames, else floats
-    check_fits(3 * threads * (args.num_steps + 1) * args.local_num_envs * obs_bytes,
-               f"the rollouts of {threads} actor threads x --local-num-envs {args.local_num_envs}")
+        fail(f"--local-num-envs {args.local_num_envs} must be even with --async-envs")
     batch = args.num_steps * layout.num_envs
     if args.total_timesteps < batch:
-        fail(f"--total-timesteps {args.total_timesteps} is less than one update ({batch:,} steps = "
-             f"--num-steps {args.num_steps} x {layout.num_envs} envs)")
+        fail(f"--total-timesteps {args.total_timesteps} is less than one update ({batch:,} steps)")
     return batch
 
 
 # ---- The run
 
 def main(args):
-    caught = catch_stop_signals()
     args, env_info = check_args(args)
-    start_distributed(args, caught)
+    start_distributed(args)
     layout = pick_devices(args)
-    batch = check_sizes(args, layout, env_info)
+    batch = check_sizes(args, layout)
     num_updates = args.total_timesteps // batch
-    state, start_update = initial_state(args, env_info, layout, batch)
-    run = open_run(args)
-    queues = [queue.Queue(maxsize=1) for _ in layout.actor_devices for _ in range(args.num_actor_threads)]
-    shared = Shared(layout=layout, store=ParamStore(layout.actor_devices), queues=queues, stop=threading.Event(),
-                    errors=[], caught=caught, run=run, start_update=start_update, num_updates=num_updates, batch=batch)
-    shared.store.publish(start_update, state.params)
-    threads = start_actors(args, shared)
-    say(f"{args.env_id}: {num_updates - start_update} updates of {batch:,} steps; actor devices "
-        f"{[d.id for d in layout.actor_devices]} x {args.num_actor_threads} threads x {args.local_num_envs} envs; "
-        f"learner devices {[d.id for d in layout.learner_devices]} x {jax.process_count()} host(s)")
-    try:
-        state, row = learn(args, shared, state)
-    except Stopped:  # an actor thread failed
-        exit_now(1, run, "".join(shared.errors).rstrip())
-    finally:
-        shared.stop.set()
-    for t in threads:
-        t.join(timeout=10)
-    safe_point_after(args, shared, state, num_updates, last=True)
+    state, start_update = initial_state(args, env_info, layout, num_updates)
+    run = open_run(args, num_updates)
+    (store := ParamStore(layout.actor_devices)).publish(start_update, state.params)
+    queues = start_actors(args, layout, store, start_update, num_updates)
+    try:  # a stop exits at once: a normal exit aborts if a thread is in envpool
+        state, row = learn(args, layout, run, store, queues, state, start_update, num_updates)
+    except SystemExit as stop:
+        os._exit(stop.code)
     row["checksum"] = checksum(state.params)
-    say(f"checksum {row['checksum']}")
+    print(f"checksum {row['checksum']}", flush=True)
     return row
 
 
-# ---- Plumbing: not the algorithm; the same text in all four scripts (tests/test_plumbing.py) ----
+# ---- Plumbing: run folder, signals, checkpoints, metrics; the same in all four scripts ----
+
+STOPS = []  # signals caught
 
 def fail(message):
     print(f"error: {message}", file=sys.stderr, flush=True)
     sys.exit(2)
 
-
-def check_flags(args, unit=(), positive=()):
-    """Counts fit the compiled programs' int32 (the step budget: int64); floats finite, >= 0 (`unit` <= 1,
-    `positive` > 0); --resume a file."""
-    for name, value in dataclasses.asdict(args).items():
-        top = 2**62 if name == "total_timesteps" else 2**31
-        if type(value) is int and name not in ("seed", "num_processes", "process_id") and not 1 <= value < top:
-            fail(f"--{name.replace('_', '-')} {value} must be in 1..{top - 1:,}")
-        if type(value) is float:
-            ok = value <= 1 if name in unit else value > 0 if name in positive else True
-            if not (math.isfinite(value) and value >= 0 and ok):
-                valid = "in [0, 1]" if name in unit else "above 0" if name in positive else "at least 0"
-                fail(f"--{name.replace('_', '-')} {value} must be a finite number {valid}")
-    if args.resume is not None and not (resume := Path(args.resume)).is_file():
-        what = "a folder" if resume.is_dir() else "not a file" if resume.exists() else "no such file"
-        fail(f"--resume {args.resume!r}: {what}; it takes a run's checkpoint.npz")
-
-
-def check_fits(num_bytes, what, devices=(), run=None):
-    """Refuse `num_bytes` per device (CPU devices share the host's memory), removing the `run` folder just made."""
-    memory = (devices[0].memory_stats() or {}).get("bytes_limit") if devices else None
-    if memory is None:
-        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        num_bytes *= max(1, len(devices))
-    if num_bytes > memory:
-        if run is not None and run.folder is not None:
-            run.events.close()
-            shutil.rmtree(run.folder, ignore_errors=True)
-        fail(f"{what} would need {num_bytes / 2**30:,.1f} GiB, more than the {memory / 2**30:,.1f} GiB here")
-
-
-def check_seed(seed, limit):
-    if not 0 <= seed < limit:  # JAX keys keep 32 bits; envpool seeds are int32
-        fail(f"--seed {seed} must be in 0..{limit - 1:,}: others repeat these seeds' random numbers or are refused")
-
-
-def start_distributed(args, caught):
-    """With --distributed, join in a thread: JAX's join blocks, deaf to --peer-timeout and stop signals."""
-    given = [n for n in ("coordinator_address", "num_processes", "process_id") if getattr(args, n) is not None]
-    if given and not args.distributed:
-        fail(f"{', '.join('--' + n.replace('_', '-') for n in given)} only apply to multi-host runs: add --distributed")
-    if not args.distributed:
-        return
-    jax.config.update("jax_enable_preemption_service", False)  # it would take SIGTERM from us
-    address = args.coordinator_address
-    if address and args.process_id == 0:  # JAX's server fails obscurely on a port in use
-        try:
-            socket.create_server(("", int(address.rpartition(":")[2]))).close()
-        except (OSError, ValueError, OverflowError) as e:
-            fail(f"--coordinator-address {address}: process 0 cannot listen there ({getattr(e, 'strerror', e)})")
-    # JAX's own timeout aborts the process: set past --peer-timeout, so that ours ends the wait first
-    joining = ThreadPoolExecutor(1).submit(jax.distributed.initialize, address, args.num_processes, args.process_id,
-                                           initialization_timeout=args.peer_timeout + 60)
-    say(f"waiting for {args.num_processes or 'all'} processes at {address or 'the address JAX detects'} (at most "
-        f"--peer-timeout {args.peer_timeout} s)")
-    deadline = time.monotonic() + args.peer_timeout
-    while not joining.done() and not caught and time.monotonic() < deadline:
-        time.sleep(0.1)
-    if caught:
-        exit_now(128 + caught[0], None, f"stopped by {signal.Signals(caught[0]).name} while waiting for the other "
-                                        "processes, before any update")
-    error = joining.exception() if joining.done() else f"not all joined in --peer-timeout {args.peer_timeout} s"
-    if error:
-        exit_now(2, None, f"error: --distributed: {str(error).splitlines()[0]} (start every process with the same "
-                          "--coordinator-address, --num-processes and its own --process-id, or all in a cluster)")
-    sys.excepthook = lost_peer
-    agree(args)
-
-
-def lost_peer(kind, error, trace):
-    """A collective with a dead peer may raise: exit before JAX's heartbeat aborts from C++."""
-    if not issubclass(kind, jax.errors.JaxRuntimeError):
-        return sys.__excepthook__(kind, error, trace)
-    exit_now(1, RUN, f"error: a collective with the other processes failed (one died?): {str(error).splitlines()[0]}")
-
-
-def agree(args):
-    """Every process must run the same script and flags (but PER_HOST); all exit if not."""
-    mine = {n: v for n, v in dataclasses.asdict(args).items() if n not in PER_HOST}
-    mine["script"] = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:12]
-    text = np.frombuffer(json.dumps(mine).encode(), np.uint8)
-    size = int(np.max(multihost_utils.process_allgather(np.int32(text.size))))
-    texts = multihost_utils.process_allgather(np.pad(text, (0, size - text.size)))
-    process_0, *others = [json.loads(bytes(t).rstrip(b"\0")) for t in texts]
-    for i, theirs in enumerate(others, 1):
-        for name in [n for n in process_0 if theirs.get(n) != process_0[n]]:
-            what = "a script whose sha256 starts" if name == "script" else f"--{name.replace('_', '-')}"
-            exit_now(2, None, f"error: process {i} runs with {what} {json.dumps(theirs.get(name))}, process 0 with "
-                              f"{json.dumps(process_0[name])}: every process needs the same")
-
+def start_distributed(args):  # unset flags: JAX detects them (SLURM, Cloud TPU, Kubernetes)
+    if args.distributed:
+        jax.distributed.initialize(args.coordinator_address, args.num_processes, args.process_id)
 
 class Run(NamedTuple):
-    folder: Path | None  # process 0 only: the other processes write nothing
-    events: EventsWriter | None  # written from this thread, so its failures are seen
-    checkpoint: Path | None
+    folder: Path | None  # {run-dir}/{env}__{exp-name}__{seed}__{unix time}; process 0 only
+    writer: SummaryWriter | None  # TensorBoard
+    num_updates: int
 
-
-RUN = None  # this process's Run, for `lost_peer`
-SAVING = []  # what `save` is writing, for `exit_now` to remove
-PER_HOST = ("process_id", "coordinator_address", "run_dir", "exp_name", "peer_timeout")  # flags peers may differ in
-
-
-def open_run(args):
-    """Process 0's new folder {run-dir}/{env}__{exp-name}__{seed}__{unix time}[_1, _2, ...]."""
-    global RUN
-    RUN = Run(None, None, None)
+def open_run(args, num_updates):
+    """SIGINT and SIGTERM now stop the run at the next safe point; a second, at once."""
+    def note_stop(signum, frame):
+        STOPS.append(signum)
+        signal.signal(signal.SIGINT, signal.SIG_DFL), signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, note_stop), signal.signal(signal.SIGTERM, note_stop)
     if jax.process_index() != 0:
-        return RUN
-    name = "__".join("".join(c if c.isalnum() or c in "-_.+" else "_" for c in str(s))
-                     for s in (args.env_id, args.exp_name, args.seed))
-    base = Path(args.run_dir) / f"{name}__{int(time.time())}"
-    for folder in (base.with_name(f"{base.name}_{n}") if n else base for n in itertools.count()):
-        try:
-            folder.mkdir(parents=True)
-            (folder / "args.json").write_text(json.dumps(dataclasses.asdict(args), indent=2))
-            RUN = Run(folder, EventsWriter(str(folder / "events")), folder / "checkpoint.npz")
-            return RUN
-        except FileExistsError:
-            pass
-        except OSError as e:
-            blame = f"--exp-name {args.exp_name!r}" if e.errno == errno.ENAMETOOLONG else f"--run-dir {args.run_dir!r}"
-            fail(f"{blame}: cannot make the run folder {folder} ({e.strerror})")
+        return Run(folder=None, writer=None, num_updates=num_updates)
+    # Other characters become "_": --exp-name cannot leave --run-dir.
+    name = "__".join(re.sub(r"[^\w.+-]", "_", str(s)) for s in (args.env_id, args.exp_name, args.seed))
+    (folder := Path(args.run_dir) / f"{name}__{int(time.time())}").mkdir(parents=True)
+    (folder / "args.json").write_text(json.dumps(dataclasses.asdict(args), indent=2))
+    return Run(folder=folder, writer=SummaryWriter(str(folder)), num_updates=num_updates)
 
-
-def catch_stop_signals():
-    """A thread notes stop signals for `safe_point`: handlers wait for XLA calls, and raising in JAX may hang."""
-    caught, stops = [], (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-    os.set_blocking(STOP_PIPE[1], False)
-    signal.set_wakeup_fd(STOP_PIPE[1])  # also for a script loaded as a module
-    for signum in stops:
-        signal.signal(signum, lambda *_: None)
-
-    def listen():
-        while True:
-            signum = os.read(STOP_PIPE[0], 1)[0]
-            if signum in stops and caught:
-                exit_now(128 + signum, None, f"{signal.Signals(signum).name} again: stopped at once, without writing "
-                                             "a checkpoint")
-            if signum in stops:
-                caught.append(signum)
-                say(f"{signal.Signals(signum).name}: stopping after the update in flight, with a checkpoint; a "
-                    "second signal stops at once, without one")
-
-    threading.Thread(target=listen, daemon=True).start()
-    return caught
-
-
-def safe_point(caught, updates_done, run, checkpoint, due):
-    """`checkpoint()` if `due`; if any process caught a stop signal, all checkpoint and exit."""
-    if due:
-        checkpoint()
-    signum = caught[0] if caught else 0
-    if jax.process_count() > 1:
-        signum = int(np.max(multihost_utils.process_allgather(np.int32(signum))))
-    if signum and not due:
-        checkpoint()
+def safe_point(args, run, update, due, tree):  # save tree() if due or stopping; then stop
+    signum = int(np.max(multihost_utils.process_allgather(np.int32(STOPS[0] if STOPS else 0))))  # any host's
+    if due or signum:
+        arrays = flat(tree())
+        if not all(np.isfinite(x).all() for x in arrays.values() if x.dtype.kind == "f"):
+            end(run, 1, f"error: the run diverged: non-finite parameters after update {update}")
+        if run.folder is not None:  # moved into place whole: never torn
+            np.savez(run.folder / "tmp.npz", **arrays, args=json.dumps(dataclasses.asdict(args)))
+            os.replace(run.folder / "tmp.npz", run.folder / "checkpoint.npz")
     if signum:
-        exit_now(128 + signum, run, f"stopped by {signal.Signals(signum).name} after update {updates_done}")
+        end(run, 128 + signum, f"stopped by {signal.Signals(signum).name} after update {update}")
 
+def flat(tree):  # {"state/params/torso/w": array, ...}
+    return {jax.tree_util.keystr(k, simple=True, separator="/"): x for k, x in jax.tree.leaves_with_path(tree)}
 
-def flat(tree):
-    return {jax.tree_util.keystr(path, simple=True, separator="/"): leaf
-            for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
-
-
-def save(run, tree, args):
-    """A temporary file moved into place: never a torn checkpoint."""
-    if run.checkpoint is None:
-        return
-    tmp = run.checkpoint.with_name("checkpoint.tmp.npz")
-    SAVING[:] = [tmp]
+def load(args, template):  # template's arrays, if the run had these shapes and flags
     try:
-        np.savez(tmp, **flat(tree), args=json.dumps(dataclasses.asdict(args)))
-        os.replace(tmp, run.checkpoint)
-    except OSError as e:
-        exit_now(1, run, f"error: cannot write {tmp} ({e.strerror or e})")
-    SAVING.clear()
-
-
-def load(args, template, batch, hint):
-    """`template`'s arrays from --resume, if its run matches this one (`hint` says how) and has budget left."""
-    resume, names = f"--resume {args.resume!r}", {*flat(template), "args"}
-    try:
-        with np.load(args.resume, allow_pickle=False) as f:
-            if unknown := sorted(set(f.files) - names):  # refused unread
-                fail(f"{resume} does not match this run: it holds arrays this run does not make "
-                     f"({', '.join(unknown[:3])}{', ...' if len(unknown) > 3 else ''}; {hint})")
-            arrays = {name: f[name] for name in names & set(f.files)}
-    except Exception as e:  # empty, truncated, random bytes, pickled
-        fail(f"{resume} is not a readable checkpoint ({type(e).__name__}: {str(e).splitlines()[0]})")
-    saved = None
-    with contextlib.suppress(KeyError, ValueError):
-        saved = json.loads(str(arrays["args"]))
-    if not isinstance(saved, dict):
-        fail(f"{resume} does not match this run: it records no flags as a JSON object ({hint})")
-    hosts = saved.get("num_processes") if saved.get("distributed") else 1
-    if isinstance(hosts, int) and hosts != jax.process_count():  # shapes and steps count every host's envs
-        hint = f"its run had {hosts} processes, this one {jax.process_count()}; {hint}"
+        with np.load(args.resume, allow_pickle=False) as f:  # an .npz never runs code
+            arrays, saved = {name: f[name] for name in f.files}, json.loads(str(f["args"]))
+    except Exception as e:
+        fail(f"--resume {args.resume} is not a readable checkpoint ({type(e).__name__}: {e})")
+    free = ("total_timesteps", "log_every", "checkpoint_every", "resume", "exp_name", "run_dir",
+            "distributed", "coordinator_address", "num_processes", "process_id")  # may change on resume
+    for name, value in json.loads(json.dumps(dataclasses.asdict(args))).items():  # lists, as saved
+        if name not in free and saved.get(name) != value:
+            fail(f"--resume {args.resume}: its run had --{name.replace('_', '-')} {saved.get(name)}")
     for name, like in flat(template).items():
-        want, got = f"{like.dtype}{list(like.shape)}", arrays.get(name)
-        found = "missing" if got is None else f"{got.dtype}{list(got.shape)}"
-        if found != want:
-            fail(f"{resume} does not match this run: {name} is {found}, expected {want} ({hint})")
-    now = json.loads(json.dumps(dataclasses.asdict(args)))
-    free = (*PER_HOST, "total_timesteps", "log_every", "checkpoint_every", "resume", "distributed", "num_processes")
-    for name in [n for n in now if n not in free and saved.get(n) != now[n]]:
-        fail(f"{resume} comes from a run with --{name.replace('_', '-')} {json.dumps(saved.get(name))}, not "
-             f"{json.dumps(now[name])} (a resumed run may change only budget, logging, checkpoint and folder flags)")
-    done = int(arrays["update"])
-    if done < 0:
-        fail(f"{resume} is damaged: it holds update {done}")
-    if arrays["global_step"] != done * batch:
-        fail(f"{resume} comes from a run whose updates were not of {batch:,} steps (another number of hosts?)")
-    if done >= args.total_timesteps // batch:
-        fail(f"{resume} is at update {done} of {args.total_timesteps // batch}: raise --total-timesteps to go on")
-    return jax.tree.unflatten(jax.tree.structure(template), [arrays[name] for name in flat(template)])
+        if name not in arrays or (arrays[name].shape, arrays[name].dtype) != (like.shape, like.dtype):
+            fail(f"--resume {args.resume}: its {name} is not {like.dtype}{list(like.shape)} here")
+    return jax.tree.unflatten(jax.tree.structure(template), [arrays[n] for n in flat(template)])
 
-
-def exit_now(code, run, line):
-    """Exit at once (a normal exit could hang), saying which checkpoint is on disk."""
-    for tmp in SAVING:
-        with contextlib.suppress(OSError):
-            tmp.unlink(missing_ok=True)
-        line += f"; {tmp.name} could not be removed: delete it" if tmp.exists() else ""
-    if run is not None and run.folder is None:
-        line += "; process 0 holds the checkpoints"
-    elif run is not None:
-        try:
-            with np.load(run.checkpoint) as f:
-                line += f"; the checkpoint {run.checkpoint} holds update {int(f['update'])}: --resume it to go on"
-        except OSError:
-            line += f"; no checkpoint is in {run.folder}"
-    with contextlib.suppress(OSError):  # a closed stdout or stderr
-        print(line, file=sys.stdout if code >= 128 else sys.stderr, flush=True)
-    os._exit(code)
-
-
-def check_finite(losses, updates_done, run):
-    if bad := {name: float(value) for name, value in losses.items() if not math.isfinite(value)}:
-        exit_now(1, run, f"error: non-finite loss at update {updates_done} ({bad})")
-
-
-def say(line):
-    try:
-        print(line, flush=True)
-    except OSError:  # stdout closed (`| head`): train on without it
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-
-
-def log(run, row, num_updates, total_steps, eta):
-    """`row` (CleanRL's names) to metrics.jsonl and TensorBoard, and the progress line (process 0)."""
+def log(run, row):  # process 0 only
+    if bad := [k for k, v in row.items() if k.startswith("losses/") and not math.isfinite(v)]:
+        end(run, 1, f"error: the run diverged: non-finite {', '.join(bad)} at update {row['update']}")
     if run.folder is None:
         return
-    step, ret = row["global_step"], row.get("charts/episodic_return")
-    try:
-        with open(run.folder / "metrics.jsonl", "a") as f:
-            f.write(json.dumps(row) + "\n")
-        for name in [name for name in row if "/" in name]:
-            run.events.write_event(Event(wall_time=time.time(), step=step, summary=scalar(name, row[name])))
-        run.events.flush()
-    except OSError as e:
-        exit_now(1, run, f"error: cannot write the metrics in {run.folder} ({e.strerror or e})")
-    minutes = int(eta) // 60
-    eta = f"{minutes // 60}h{minutes % 60:02d}m" if minutes >= 60 else f"{minutes}m{int(eta) % 60:02d}s"
-    say(f"update {row['update']}/{num_updates} | step {step:,}/{total_steps:,} ({step / total_steps:.0%}) | "
-        f"SPS {row['charts/SPS']:,.0f} | return {'-' if ret is None else f'{ret:.2f}'} | ETA {eta}")
+    with open(run.folder / "metrics.jsonl", "a") as f:
+        f.write(json.dumps(row) + "\n")
+    for name in [name for name in row if "/" in name]:
+        run.writer.add_scalar(name, row[name], row["global_step"])
+    run.writer.flush()
+    step, total = row["global_step"], row["global_step"] // row["update"] * run.num_updates
+    eta, score = int((total - step) / row["charts/SPS"]), row.get("charts/episodic_return")
+    print(f"update {row['update']}/{run.num_updates} | step {step:,}/{total:,} ({step / total:.0%}) "
+          f"| SPS {row['charts/SPS']:,.0f} | return {'-' if score is None else f'{score:.2f}'} "
+          f"| ETA {eta // 60}m{eta % 60:02d}s", flush=True)
 
+def end(run, code, line):
+    ckpt = run.folder and run.folder / "checkpoint.npz"
+    print(line + (f"; --resume {ckpt} to go on" if ckpt and ckpt.exists() else ""), file=sys.stderr)
+    sys.exit(code)
 
-def checksum(params):
-    """sha256 of this host's parameters: equal runs and hosts print equal sums."""
-    leaves = [x.addressable_data(0) if isinstance(x, jax.Array) else x for x in jax.tree.leaves(params)]
+def checksum(params):  # equal runs and hosts print equal sums
+    leaves = [x.addressable_data(0) for x in jax.tree.leaves(params)]
     return hashlib.sha256(b"".join(np.asarray(x).tobytes() for x in leaves)).hexdigest()
-
 
 if __name__ == "__main__":
     main(tyro.cli(Args))

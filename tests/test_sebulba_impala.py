@@ -1,7 +1,7 @@
 """Tests of sebulba_impala.py: V-trace and the loss against NumPy references of the IMPALA
 paper, the networks' inputs and shapes, episode bookkeeping against envpool's own counters,
 learning on CartPole and on MinAtar's images, a custom gymnasium env, Atari device layouts
-and --machado, two hosts, faults, Ctrl-C and resume, bad input."""
+and --machado, two hosts, faults, Ctrl-C and resume, divergence, bad input."""
 
 import signal
 import time
@@ -11,7 +11,7 @@ from functools import partial
 import numpy as np
 import pytest
 
-from conftest import ROOT, checksum, error_line, interrupt_a_hung_run, load, run, run_two_hosts, spawn
+from conftest import ROOT, checksum, error_line, load, run, run_two_hosts, spawn
 
 SCRIPT = "sebulba_impala.py"
 MINATAR = "tests.minatar_envs:MinAtar/Breakout-v1"  # tests/minatar_envs.py registers MinAtar's ids
@@ -79,8 +79,6 @@ gym.register("NanReward-v0", entry_point=NanReward)
 @pytest.fixture
 def envs_path(tmp_path):
     (tmp_path / "test_envs.py").write_text(TEST_ENVS)
-    (tmp_path / "broken_envs.py").write_text("def (:\n")  # modules that fail to import
-    (tmp_path / "raising_envs.py").write_text("raise RuntimeError('no display')\n")
     return {"PYTHONPATH": str(tmp_path)}
 
 
@@ -367,8 +365,6 @@ def test_custom_gymnasium_env_runs_end_to_end_with_exact_episode_scores(tmp_path
     assert (result.run_dir / "checkpoint.npz").exists()
 
 
-
-
 def test_minatar_breakout_from_bool_images_beats_random_play(tmp_path):
     from tests.minatar_envs import random_play
 
@@ -399,8 +395,6 @@ def test_atari_runs_a_few_updates_on_each_device_layout(tmp_path, devices, layou
     assert [row["global_step"] for row in result.metrics] == [batch, 2 * batch, 3 * batch]
     assert all(row["stats/param_lag"] <= 1 for row in result.metrics)
     finite_losses(result)
-    learners = "[1]" if devices == 2 else "[2, 3]" if devices == 4 else "[0]"
-    assert f"learner devices {learners}" in result.output
 
 
 def test_two_hosts_finish_with_identical_learner_params(tmp_path):
@@ -418,7 +412,7 @@ def test_two_hosts_finish_with_identical_learner_params(tmp_path):
 
 @pytest.mark.parametrize("env_id,message", [
     ("test_envs:Crash-v0", "Traceback"),  # the actor thread's
-    ("test_envs:NanReward-v0", "error: non-finite loss at update "),  # one line, no traceback
+    ("test_envs:NanReward-v0", "error: the run diverged: non-finite losses/"),  # one line, no traceback
 ])
 def test_a_failing_thread_or_a_nan_ends_the_run_quickly(tmp_path, envs_path, env_id, message):
     flags = ["--env-id", env_id, "--local-num-envs", 2, "--num-steps", 4, "--num-actor-threads", 1,
@@ -430,16 +424,39 @@ def test_a_failing_thread_or_a_nan_ends_the_run_quickly(tmp_path, envs_path, env
     if "Crash" in env_id:
         assert "injected actor fault" in result.output
     else:
-        assert "Traceback" not in result.output and "no checkpoint is in" in result.output
-        assert "'loss': nan" in result.output and "array(" not in result.output  # numbers, not their reprs
+        assert "Traceback" not in result.output and "losses/loss" in result.output
     assert ended - float((tmp_path / "fault_time").read_text()) < 30
 
 
-def test_ctrl_c_while_the_learner_waits_on_a_hung_env_stops_within_seconds(tmp_path, envs_path):
+def test_a_second_ctrl_c_ends_a_run_whose_env_hangs_at_once(tmp_path, envs_path):
     flags = ["--env-id", "test_envs:Hang-v0", "--local-num-envs", 2, "--num-steps", 4, "--num-actor-threads", 1,
-             "--log-every", 1, "--total-timesteps", 10**6, "--run-dir", tmp_path / "runs"]
-    update, took = interrupt_a_hung_run(spawn(SCRIPT, flags, tmp_path, env=envs_path), tmp_path)
-    assert took < 10 and update >= 5
+             "--total-timesteps", 10**6, "--run-dir", tmp_path / "runs"]
+    proc = spawn(SCRIPT, flags, tmp_path, env=envs_path)
+    try:
+        deadline = time.monotonic() + 300
+        while not (tmp_path / "fault_time").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(2)  # the learner now waits for a rollout that never comes
+        proc.send_signal(signal.SIGINT)
+        time.sleep(2)
+        assert proc.poll() is None  # the first only asks for a stop at the next update
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        proc.communicate(timeout=30)
+        assert proc.returncode == -signal.SIGINT and time.monotonic() - sent < 5
+    finally:
+        proc.kill()
+
+
+def test_a_diverging_run_writes_no_checkpoint_with_non_finite_parameters(tmp_path):
+    flags = ["--env-id", "CartPole-v1", "--num-actor-threads", 1, "--local-num-envs", 2, "--num-steps", 8,
+             "--total-timesteps", 64, "--learning-rate", 1e308, "--checkpoint-every", 1]
+    result = run(SCRIPT, flags, tmp_path)
+    assert result.returncode == 1, result.output[-3000:]
+    assert "error: the run diverged: non-finite parameters after update " in result.output
+    for ckpt in (tmp_path / "runs").glob("*/checkpoint.npz"):
+        with np.load(ckpt, allow_pickle=False) as data:
+            assert all(np.isfinite(data[name]).all() for name in data.files if data[name].dtype.kind == "f")
 
 
 def test_ctrl_c_writes_a_loadable_checkpoint_and_resume_continues_from_it(tmp_path):
@@ -470,14 +487,6 @@ def test_ctrl_c_writes_a_loadable_checkpoint_and_resume_continues_from_it(tmp_pa
 # --- Bad input --------------------------------------------------------------------------------
 
 
-def test_the_deep_default_on_cpus_names_the_shallow_network_once_and_only_then(impala, capsys):
-    impala.check_args(impala.Args(env_id="Breakout-v5"))
-    assert capsys.readouterr().out.count("--network shallow") == 1
-    for args in (impala.Args(env_id="Breakout-v5", network="deep"), impala.Args(env_id="CartPole-v1")):
-        impala.check_args(args)
-        assert capsys.readouterr().out == ""
-
-
 def mismatched_checkpoint(tmp_path):
     path = tmp_path / "other.npz"
     np.savez(path, **{"state/params/policy/w": np.zeros((3, 3))})
@@ -487,12 +496,9 @@ def mismatched_checkpoint(tmp_path):
 @pytest.mark.parametrize("devices,flags,flag", [
     (1, ["--env-id", "Breakout-v55"], "--env-id"),
     (1, ["--env-id", "Pendulum-v1"], "--env-id"),
-    (1, ["--env-id", "../x:Foo-v0"], "--env-id"),
     (1, ["--env-id", "test_envs:FromOne-v0"], "--env-id"),
-    (1, ["--env-id", "broken_envs:X-v0"], "--env-id"),
-    (1, ["--env-id", "raising_envs:X-v0"], "--env-id"),
-    (1, ["--env-id", "CartPole-v1", "--machado"], "--machado"),
     (1, ["--env-id", "CartPole-v1", "--network", "shallow"], "--network"),
+    (1, ["--env-id", "CartPole-v1", "--max-grad-norm", 0], "--max-grad-norm"),
     (1, ["--env-id", MINATAR, "--network", "shallow"], "--network"),
     (2, ["--env-id", "CartPole-v1", "--actor-device-ids", 2], "--actor-device-ids"),
     (2, ["--env-id", "CartPole-v1", "--actor-device-ids", 0, "--learner-device-ids", 0, 1], "--learner-device-ids"),
@@ -501,8 +507,7 @@ def mismatched_checkpoint(tmp_path):
     (1, ["--env-id", "CartPole-v1", "--total-timesteps", 100], "--total-timesteps"),
     (1, ["--env-id", "CartPole-v1", "--resume", "missing.npz"], "--resume"),
     (1, ["--env-id", "CartPole-v1", "--resume", mismatched_checkpoint], "--resume"),
-], ids=["unknown-env", "continuous-actions", "relative-module", "actions-from-1", "module-syntax-error",
-        "module-raises", "machado-not-atari", "shallow-vectors", "shallow-10x10",
+], ids=["unknown-env", "continuous-actions", "actions-from-1", "shallow-vectors", "max-grad-norm-0", "shallow-10x10",
         "device-out-of-range", "device-reused",
         "envs-not-divisible", "async-envs-odd", "budget-below-one-update", "missing-checkpoint",
         "mismatched-checkpoint"])
@@ -510,7 +515,3 @@ def test_bad_input_is_one_error_line_naming_the_flag(tmp_path, envs_path, device
     flags = [f(tmp_path) if callable(f) else f for f in flags]
     line = error_line(run(SCRIPT, flags, tmp_path, devices=devices, timeout=120, env=envs_path))
     assert line.startswith(f"error: {flag} ")
-    if "Breakout-v55" in flags:
-        assert "Breakout-v5" in line  # close matches suggested
-    if flags[1] in ("broken_envs:X-v0", "raising_envs:X-v0"):  # the module and its own error named
-        assert f"module {flags[1].split(':')[0]!r} (" in line and ("SyntaxError" in line or "no display" in line)
