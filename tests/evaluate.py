@@ -314,7 +314,8 @@ def report_until_done(tally, stops, opts):
     while True:
         ready, _, _ = select.select([stops], [], [], PROGRESS_SECONDS)
         news = os.read(stops, 1) if ready else None
-        if news == b"":  # the pipe closed: the games are over
+        if news == b"":  # the other end closed: main has returned
+            os.close(stops)
             return
         games = list(tally.games)  # the main thread appends on
         if news and news[0] == signal.SIGINT:
@@ -323,7 +324,7 @@ def report_until_done(tally, stops, opts):
             if games:
                 print_figures(games, opts, time.time() - tally.start)
             os._exit(130)  # at once: a normal exit would wait for the main thread
-        if tally.start is not None and not news:
+        if tally.start is not None and not news and len(games) < tally.total:
             mean = f" | mean score {np.mean([score for score, _ in games]):.2f}" if games else ""
             print(f"games {len(games):,}/{tally.total:,}{mean} | {time.time() - tally.start:.0f} s", flush=True)
 
@@ -522,6 +523,9 @@ def evaluate(opts, tally):
     seconds = time.time() - tally.start
     print_figures(list(zip(scores, lengths)), opts, seconds)
     frames = []
+    if opts.gif and opts.gif_every >= len(shown) > 1:
+        fail(f"--gif-every {opts.gif_every}: game 1 lasted {len(shown)} steps, so its GIF would be one picture "
+             f"(take fewer than {len(shown)}); no GIF was written")
     if opts.gif:
         draw, frame_seconds = picture
         frames = [draw(obs) for obs in shown[::opts.gif_every]]

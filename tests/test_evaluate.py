@@ -268,10 +268,14 @@ def test_an_agent_whose_parameters_are_not_finite_is_refused(checkpoints, tmp_pa
                                                             "parameters are not finite: its run diverged")
 
 
-def test_gif_every_past_what_a_gif_frame_can_last_is_refused_before_play(checkpoints, tmp_path, capsys):
+def test_gif_every_past_what_a_gif_frame_can_last_or_past_the_game_is_refused(checkpoints, tmp_path, capsys):
     line = refused([checkpoints["catch"], "--gif", tmp_path / "game.gif", "--gif-every", 3000], capsys)
     assert line == ("error: --gif-every 3000: a frame would show 3000 steps of 0.25 s, longer than a GIF frame can "
                     "last (655.35 s): at most 2621")
+    assert not (tmp_path / "game.gif").exists()
+    line = refused([checkpoints["catch"], "--gif", tmp_path / "game.gif", "--gif-every", 9], capsys)  # after play
+    assert line == ("error: --gif-every 9: game 1 lasted 9 steps, so its GIF would be one picture (take fewer than 9); "
+                    "no GIF was written")
     assert not (tmp_path / "game.gif").exists()
 
 
