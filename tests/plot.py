@@ -25,7 +25,7 @@ beside the bound it was measured against (the `... SPS` column that is not `trai
 log scale, with the ratio written at the end of the training bar.
 
 --pack makes copied run folders light enough to keep in the repository (`pack` says how); the
-drawing reads metrics.jsonl or the packed metrics.jsonl.xz alike.
+drawing reads metrics.jsonl or the packed metrics.jsonl.xz alike, and both where a run logged on after a pack.
 """
 
 import argparse
@@ -33,9 +33,11 @@ import lzma
 import itertools
 import json
 import math
+import os
 import re
 import sys
 import textwrap
+import time
 from pathlib import Path
 from typing import NamedTuple
 
@@ -43,6 +45,8 @@ import numpy as np
 
 X_LABELS = {"steps": "environment steps", "time": "training wall-clock seconds"}
 RUN_BUDGET = 1_000_000  # bytes a run folder kept in tests/figures/runs/ may hold (tests/figures/README.md)
+# A run appends a row to metrics.jsonl at each log line: one written this recently may belong to a run still going.
+LIVE_SECONDS = 60
 
 
 class Run(NamedTuple):
@@ -95,14 +99,34 @@ def read_json(path, text):
         fail(f"{path} is not valid JSON ({e})")
 
 
+def number(value):
+    """A JSON number (a bool is not one, though Python counts it an int)."""
+    return type(value) in (int, float)
+
+
+def rounded(row):
+    """A row as --pack keeps it: floats to 6 significant digits (float32 holds about 7; pictures and tables need 3)."""
+    return {k: float(f"{v:.6g}") if type(v) is float else v for k, v in row.items()}
+
+
 def read_rows(folder):
-    """The rows of a run folder's metrics.jsonl, or of metrics.jsonl.xz (a run kept in the repository)."""
+    """The rows of a run folder: those packed in metrics.jsonl.xz (a run kept in the repository), then those of
+    metrics.jsonl (where a run logs, also after a pack of its first rows)."""
     plain, packed = folder / "metrics.jsonl", folder / "metrics.jsonl.xz"
     if not (plain.is_file() or packed.is_file()):
         fail(f"no metrics.jsonl in {folder} (a run folder holds args.json and metrics.jsonl or metrics.jsonl.xz)")
-    metrics = plain if plain.is_file() else packed
+    rows = read_metrics(packed) if packed.is_file() else []
+    if plain.is_file():
+        # A pack stopped between moving its file into place and removing metrics.jsonl leaves rows in both.
+        kept = {json.dumps(row) for row in rows}
+        rows += [row for row in read_metrics(plain) if json.dumps(rounded(row)) not in kept]
+    return rows
+
+
+def read_metrics(metrics):
+    """The rows of one metrics.jsonl or metrics.jsonl.xz."""
     try:
-        text = metrics.read_text() if metrics == plain else lzma.decompress(metrics.read_bytes()).decode()
+        text = lzma.decompress(metrics.read_bytes()).decode() if metrics.suffix == ".xz" else metrics.read_text()
     except (OSError, lzma.LZMAError, UnicodeDecodeError) as e:
         fail(f"{metrics} cannot be read ({e})")
     lines = text.splitlines()
@@ -113,8 +137,10 @@ def read_rows(folder):
             print(f"note: {metrics} line {len(lines)} was cut off (a killed run?): left out", file=sys.stderr)
             lines.pop()
     rows = [read_json(f"{metrics} line {i}", line) for i, line in enumerate(lines, 1) if line.strip()]
-    if not all(isinstance(row, dict) and "global_step" in row for row in rows):
-        fail(f"{metrics}: every line should be a JSON object with a global_step")
+    for i, row in enumerate(rows, 1):
+        if not (isinstance(row, dict) and number(row.get("global_step")) and math.isfinite(row["global_step"])):
+            fail(f"{metrics}: every line should be a JSON object with a global_step that is a number (line {i}: "
+                 f"{textwrap.shorten(json.dumps(row), 80)})")
     return rows
 
 
@@ -125,20 +151,48 @@ def read_run(folder):
     env_id, exp_name, seed = parts[:3] if len(parts) == 4 else ("unknown env", folder.name, folder.name)
     args_file = folder / "args.json"
     args = read_json(args_file, args_file.read_text()) if args_file.is_file() else {}
+    if not isinstance(args, dict):
+        fail(f"{args_file} should hold a JSON object, the run's flags by name")
+    for name in ("env_id", "exp_name"):
+        if name in args and type(args[name]) is not str:
+            fail(f"{args_file}: {name} should be a string, not {json.dumps(args[name])}")
+    if "num_seeds" in args and not (type(args["num_seeds"]) is int and args["num_seeds"] >= 1):
+        fail(f"{args_file}: num_seeds should be a whole number of at least 1, not {json.dumps(args['num_seeds'])}")
     return Run(folder, args.get("env_id", env_id), args.get("exp_name", exp_name), str(args.get("seed", seed)),
                args.get("num_seeds", 1), rows, frozenset(args))
 
 
 def pack(folder):
-    """--pack: a run folder as the repository keeps it (tests/figures/README.md, "Adding a run"): every row,
-    floats to 6 significant digits (float32 holds about 7; pictures and tables need 3), compressed by xz
-    in place of metrics.jsonl. Returns the folder's size in bytes."""
+    """--pack: a run folder as the repository keeps it (tests/figures/README.md, "Adding a run"): every row
+    (those packed before and those logged since), rounded, compressed by xz in place of metrics.jsonl.
+    Returns the number of rows and the folder's size in bytes."""
     folder = Path(folder)
-    rounded = lambda x: float(f"{x:.6g}") if isinstance(x, float) else x
-    text = "".join(json.dumps({k: rounded(v) for k, v in row.items()}) + "\n" for row in read_rows(folder))
-    (folder / "metrics.jsonl.xz").write_bytes(lzma.compress(text.encode(), preset=9 | lzma.PRESET_EXTREME))
-    (folder / "metrics.jsonl").unlink(missing_ok=True)
-    return sum(path.stat().st_size for path in folder.iterdir())
+    plain, packed, new = (folder / name for name in ("metrics.jsonl", "metrics.jsonl.xz", "metrics.jsonl.xz.part"))
+    before = written(plain)
+    age = time.time() - before[1] / 1e9 if before else math.inf
+    if age < LIVE_SECONDS:
+        fail(f"--pack {folder}: its metrics.jsonl was written {age:.0f} s ago, so its run "
+             f"may still be logging: pack it once the run has ended ({LIVE_SECONDS} s after its last row)")
+    rows = read_rows(folder)
+    text = "".join(json.dumps(rounded(row)) + "\n" for row in rows)
+    try:
+        new.write_bytes(lzma.compress(text.encode(), preset=9 | lzma.PRESET_EXTREME))
+        # A run that logged while this one packed would lose that row with metrics.jsonl: leave it all as it was.
+        if written(plain) != before:
+            new.unlink()
+            fail(f"--pack {folder}: its run wrote metrics.jsonl while it was being packed, so it is still going: "
+                 "nothing was changed; pack it once the run has ended")
+        os.replace(new, packed)  # the old file stays whole until the new one is
+        plain.unlink(missing_ok=True)
+    except OSError as e:  # a full disk, a read-only folder
+        new.unlink(missing_ok=True)
+        fail(f"--pack {folder}: cannot write {packed.name} ({e.strerror or e}); nothing was changed")
+    return len(rows), sum(path.stat().st_size for path in folder.iterdir())
+
+
+def written(path):
+    """(size, modification time in ns) of a file, or None: what changes when a run appends a row."""
+    return (path.stat().st_size, path.stat().st_mtime_ns) if path.is_file() else None
 
 
 def seed_columns(run, y):
@@ -160,7 +214,7 @@ def seconds(run):
     first row. The first row counts from step 0, which overstates it for a resumed run
     (--join counts a resumption's first row from the last row before it).
     """
-    if not all(row.get("charts/SPS", 0) > 0 for row in run.rows):
+    if not all(number(row.get("charts/SPS")) and row["charts/SPS"] > 0 for row in run.rows):
         fail(f"{run.folder}: --x time needs charts/SPS > 0 in every row of metrics.jsonl")
     steps = np.array([row["global_step"] for row in run.rows], dtype=float)
     sps = np.array([row["charts/SPS"] for row in run.rows], dtype=float)
@@ -178,6 +232,9 @@ def seed_series(run, y, x_axis):
     series = []
     for column in seed_columns(run, y):
         kept = [i for i, row in enumerate(run.rows) if column in row]
+        if bad := next((run.rows[i] for i in kept if not number(run.rows[i][column])), None):
+            fail(f"{run.folder}: {column} should be a number in every row that has it, not "
+                 f"{textwrap.shorten(json.dumps(bad[column]), 60)} (at global_step {bad['global_step']})")
         series.append((xs[kept], np.array([run.rows[i][column] for i in kept], dtype=float)))
     return series
 
@@ -282,12 +339,16 @@ def read_speed(path):
     data, bars = read_json(path, path.read_text()), []
     cases = {case: rows for case, rows in data.items() if case != "machine"} if isinstance(data, dict) else {}
     for case, rows in cases.items():
+        if not (isinstance(rows, list) and all(isinstance(row, dict) for row in rows)):
+            fail(f"--speed {path}: {case} should be a list of rows, each a JSON object")
         for row in rows:
             bound = next((c for c in row if c.endswith("SPS") and c != "train SPS"), None)
             try:
                 train, limit = (float(str(row[c]).replace(",", "")) for c in ("train SPS", bound))
             except (KeyError, ValueError):
                 fail(f"--speed {path}: a {case} row has no numeric 'train SPS' and bound '... SPS' columns: {row}")
+            if not (0 < train < math.inf and 0 < limit < math.inf):  # a log scale and a ratio need both
+                fail(f"--speed {path}: a {case} row's 'train SPS' and '{bound}' should be above 0: {row}")
             label = ", ".join(f"{c} {v}" for c, v in row.items() if not measured(c))
             bars.append(Bar(f"{case}: {label}", train, limit, bound))
     if not bars:
@@ -359,7 +420,24 @@ def parse_args(argv):
         fail("a --ref ending in @ENV needs --panels")
     if not args.output.parent.is_dir():
         fail(f"-o {args.output}: folder {args.output.parent} does not exist")
+    check_writable(args.output)
     return args
+
+
+def partial(output):
+    """Where a picture is drawn before it is moved into place: a full disk never leaves half a picture."""
+    return output.with_name(output.name + ".part")
+
+
+def check_writable(output):
+    """The picture is written after all the reading and drawing: whether it can be is found out before."""
+    if output.is_dir() or (output.exists() and not output.is_file()):
+        fail(f"-o {output}: {'a folder' if output.is_dir() else 'not a regular file'}; it takes a picture's name")
+    try:
+        partial(output).open("wb").close()
+        partial(output).unlink()
+    except OSError as e:
+        fail(f"-o {output}: cannot write there ({e.strerror or e})")
 
 
 def main(argv=None):
@@ -367,9 +445,9 @@ def main(argv=None):
     args = parse_args(argv)
     if args.pack:
         for folder in args.runs:
-            size = pack(folder)
+            rows, size = pack(folder)
             over = f", over the budget of {RUN_BUDGET:,}: log less often" if size > RUN_BUDGET else ""
-            print(f"packed {folder}: {size:,} bytes{over}")
+            print(f"packed {folder}: {rows:,} rows, {size:,} bytes{over}")
         return None
     if args.speed:
         machine, bars = read_speed(args.speed)
@@ -397,10 +475,12 @@ def main(argv=None):
 
 
 def save(fig, output):
-    try:
-        fig.savefig(output, dpi=150)
-    except ValueError as e:  # an unknown format: matplotlib lists the ones it knows
-        fail(f"-o {output}: {e}")
+    try:  # the format is the output's, not the partial file's
+        fig.savefig(partial(output), format=output.suffix[1:].lower() or "png", dpi=150)
+        os.replace(partial(output), output)
+    except (ValueError, OSError) as e:  # an unknown format (matplotlib lists the ones it knows), a full disk
+        partial(output).unlink(missing_ok=True)
+        fail(f"-o {output}: {e}" if isinstance(e, ValueError) else f"-o {output}: cannot write it ({e.strerror or e})")
     print(f"wrote {output}")
     return fig
 

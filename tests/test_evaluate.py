@@ -1,9 +1,17 @@
 """tests/evaluate.py: every script's checkpoint plays whole games and draws a GIF of one, a trained
-Catch agent scores near the optimum, and damaged, foreign or mismatched files are one error line."""
+Catch agent scores near the optimum, a few envs play many games, Ctrl-C ends with the figures so far,
+and damaged, foreign or mismatched files are one error line."""
 
 import dataclasses
 import json
+import os
 import re
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
 from pathlib import Path
 
 import jax
@@ -11,7 +19,7 @@ import numpy as np
 import pytest
 from PIL import Image, ImageSequence
 
-from conftest import error_line, load, run, spawn
+from conftest import ROOT, error_line, load, run, spawn
 
 evaluate = load("tests/evaluate.py")
 SMALL = ["--num-actor-threads", 1, "--local-num-envs", 2, "--num-steps", 4, "--total-timesteps", 8]
@@ -177,8 +185,107 @@ def test_a_checkpoint_whose_env_id_names_a_module_imports_it_only_when_the_user_
     assert (tmp_path / "ran").exists() and "does not match sebulba_impala.py's network" in line
 
 
-def test_more_games_than_memory_holds_are_refused_before_any_is_played(tmp_path, capsys):
+def test_more_games_or_envs_than_memory_holds_are_refused_before_any_is_played(tmp_path, capsys):
     path = tmp_path / "checkpoint.npz"
     np.savez(path, args=json.dumps(dataclasses.asdict(load("anakin_catch.py").Args())))  # flags, then no network
-    line = refused([path, "--episodes", 10**9], capsys)
-    assert re.match(r"error: --episodes 1000000000 would need [\d,.]+ GiB, more than the [\d,.]+ GiB here$", line)
+    line = refused([path, "--episodes", 10**12], capsys)  # 16 bytes a game: 16 TB
+    assert re.match(r"error: --num-envs 16 and --episodes 1,000,000,000,000 would need [\d,.]+ GiB, more than the "
+                    r"[\d,.]+ GiB here$", line)
+    np.savez(path, args=json.dumps(dataclasses.asdict(load("sebulba_impala.py").Args(env_id="Breakout-v5"))))
+    line = refused([path, "--episodes", 10**6, "--num-envs", 10**6], capsys)  # 1.3 MB an Atari env: 1.3 TB
+    assert re.match(r"error: --num-envs 1,000,000 and --episodes 1,000,000 would need [\d,.]+ GiB", line)
+
+
+def test_a_few_envs_play_many_games_each_to_its_end(checkpoints, monkeypatch):
+    catch = evaluate.main([str(checkpoints["catch"]), "--greedy", "--episodes", "50", "--num-envs", "4"])
+    assert len(catch.scores) == 50 and set(catch.lengths) == {9}  # every game whole: the ball falls nine rows
+    impala, made = load("sebulba_impala.py"), []
+    make_envs = impala.make_envs
+
+    def counting_make_envs(args, num_envs, seed):
+        made.append(num_envs)
+        return make_envs(args, num_envs, seed)
+
+    monkeypatch.setattr(impala, "make_envs", counting_make_envs)
+    cartpole = evaluate.main([str(checkpoints["impala cartpole"]), "--episodes", "7", "--num-envs", "3"])
+    assert made == [3] and len(cartpole.scores) == 7 and (cartpole.lengths >= 1).all()
+    # CartPole scores 1 a step: each game's score is its length, so none was cut short or joined to another.
+    np.testing.assert_array_equal(cartpole.scores, cartpole.lengths)
+
+
+def test_ctrl_c_while_playing_ends_at_once_with_the_figures_of_the_games_played(checkpoints, tmp_path):
+    proc = spawn("tests/evaluate.py", [checkpoints["catch"], "--episodes", 10**7], tmp_path)
+    killer = threading.Timer(120, proc.kill)  # a hung process fails the test instead of hanging it
+    killer.start()
+    try:
+        lines = [proc.stdout.readline()]
+        while lines[-1] and not re.match(r"games [1-9]", lines[-1]):  # a progress line after games have ended
+            lines.append(proc.stdout.readline())
+        proc.send_signal(signal.SIGINT)
+        tic = time.monotonic()
+        rest = proc.communicate()[0]
+        seconds = time.monotonic() - tic
+    finally:
+        killer.cancel()
+        proc.kill()
+    output = "".join(lines) + rest
+    assert re.match(r"games [\d,]+/10,000,000 \| mean score -?[\d.]+ \| \d+ s$", lines[-1].strip()), output
+    assert proc.returncode == 130 and seconds < 5, (proc.returncode, seconds, output)
+    stopped, figures, score, length = rest.splitlines()[-4:]
+    assert re.match(r"stopped by SIGINT after [\d,]+ of 10,000,000 games$", stopped), output
+    assert re.match(r"[\d,]+ games, sampled actions, seed 0: [\d.]+ s$", figures), output
+    assert score.startswith("score   mean") and length.startswith("length  mean 9.0"), output
+    assert "Traceback" not in output
+
+
+def with_flags(checkpoint, path, **changes):
+    """A copy of a checkpoint whose recorded flags are changed."""
+    with np.load(checkpoint, allow_pickle=False) as f:
+        arrays = dict(f)
+    np.savez(path, **{**arrays, "args": json.dumps({**json.loads(str(arrays["args"])), **changes})})
+    return path
+
+
+@pytest.mark.parametrize("changes, words", [
+    ({"env_id": ["CartPole-v1"]}, '--env-id ["CartPole-v1"], which is not str'),
+    ({"env_id": 3}, "--env-id 3, which is not str"),
+    ({"seed": 1.5}, "--seed 1.5, which is not int"),
+    ({"actor_device_ids": [0.5]}, "--actor-device-ids [0.5], which is not list[int] | None"),
+])
+def test_recorded_flags_of_the_wrong_type_are_refused(checkpoints, tmp_path, capsys, changes, words):
+    path = with_flags(checkpoints["impala cartpole"], tmp_path / "typed.npz", **changes)
+    assert refused([path], capsys) == f"error: {path} records {words} (a damaged or edited file?)"
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_an_agent_whose_parameters_are_not_finite_is_refused(checkpoints, tmp_path, capsys, bad):
+    with np.load(checkpoints["catch"], allow_pickle=False) as f:
+        arrays = dict(f)
+    name = next(name for name in arrays if name.startswith("state/params/"))
+    arrays[name] = np.where(np.arange(arrays[name].size).reshape(arrays[name].shape) == 0, bad, arrays[name])
+    np.savez(tmp_path / "diverged.npz", **{**arrays, name: arrays[name].astype(np.float32)})
+    assert refused([tmp_path / "diverged.npz"], capsys) == (f"error: {tmp_path / 'diverged.npz'}: this agent's "
+                                                            "parameters are not finite: its run diverged")
+
+
+def test_gif_every_past_what_a_gif_frame_can_last_or_past_the_game_is_refused(checkpoints, tmp_path, capsys):
+    line = refused([checkpoints["catch"], "--gif", tmp_path / "game.gif", "--gif-every", 3000], capsys)
+    assert line == ("error: --gif-every 3000: a frame would show 3000 steps of 0.25 s, longer than a GIF frame can "
+                    "last (655.35 s): at most 2621")
+    assert not (tmp_path / "game.gif").exists()
+    line = refused([checkpoints["catch"], "--gif", tmp_path / "game.gif", "--gif-every", 9], capsys)  # after play
+    assert line == ("error: --gif-every 9: game 1 lasted 9 steps, so its GIF would be one picture (take fewer than 9); "
+                    "no GIF was written")
+    assert not (tmp_path / "game.gif").exists()
+
+
+def test_a_gif_that_cannot_be_written_whole_leaves_no_file(checkpoints, tmp_path):
+    gif = tmp_path / "game.gif"
+    argv = shlex.join([sys.executable, str(ROOT / "tests/evaluate.py"), str(checkpoints["pendulum"]), "--episodes",
+                       "1", "--gif", str(gif)])
+    # `ulimit -f 4`: files of 4 KiB at most, a longer write fails as on a full disk (the GIF of 200 steps: about 47 KB)
+    result = subprocess.run(["bash", "-c", f"ulimit -f 4 && exec {argv}"], cwd=tmp_path, capture_output=True,
+                            text=True, timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert result.returncode == 2 and "1 games, sampled actions" in result.stdout, result.stdout + result.stderr
+    assert result.stderr == f"error: --gif {gif}: cannot write it (File too large); no GIF was left\n"
+    assert sorted(path.name for path in tmp_path.iterdir()) == []

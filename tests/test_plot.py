@@ -3,6 +3,11 @@ the run folders kept in tests/figures/runs/ within their size budget."""
 
 import json
 import lzma
+import os
+import re
+import shlex
+import subprocess
+import time
 from pathlib import Path
 
 import numpy as np
@@ -10,7 +15,7 @@ import pytest
 from matplotlib.collections import PolyCollection
 from matplotlib.patches import Rectangle
 
-from conftest import ROOT, error_line, load, run
+from conftest import ROOT, command, error_line, load, run
 
 plot = load("tests/plot.py")
 SCRIPT = "tests/plot.py"
@@ -28,6 +33,24 @@ def write_run(root, env_id, exp_name, seed, rows, with_args=True, **flags):
         (folder / "args.json").write_text(json.dumps(args))
     (folder / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     return folder
+
+
+def ended(folder):
+    """The folder of a run that ended an hour ago (--pack refuses one whose metrics.jsonl was just written)."""
+    an_hour_ago = time.time() - 3600
+    for path in folder.iterdir():
+        os.utime(path, (an_hour_ago, an_hour_ago))
+    return folder
+
+
+def run_small_disk(argv, tmp_path, kib):
+    """plot.py allowed to write files of `kib` KiB at most (`ulimit -f`): a longer write fails, as on a full disk."""
+    line = f"ulimit -f {kib} && exec {shlex.join(command(SCRIPT, argv))}"
+    return subprocess.run(["bash", "-c", line], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+
+
+def packed_rows(folder):
+    return [json.loads(line) for line in lzma.decompress((folder / "metrics.jsonl.xz").read_bytes()).splitlines()]
 
 
 def rows(returns, steps=STEPS, sps=50.0):
@@ -193,16 +216,72 @@ def test_a_packed_run_keeps_every_row_to_six_digits_and_draws_like_its_original(
     values = [np.pi * 10.0**k for k in range(-3, 2)]
     original = write_run(tmp_path / "a", "Pong-v5", "sebulba_impala", 1, rows(values, sps=[1234.56789] * 5))
     packed = write_run(tmp_path / "b", "Pong-v5", "sebulba_impala", 1, rows(values, sps=[1234.56789] * 5))
-    result = run(SCRIPT, ["--pack", packed], tmp_path, run_dir=False)
-    assert result.returncode == 0 and f"packed {packed}: " in result.output
+    result = run(SCRIPT, ["--pack", ended(packed)], tmp_path, run_dir=False)
+    assert result.returncode == 0 and f"packed {packed}: 5 rows, " in result.output
     assert sorted(p.name for p in packed.iterdir()) == ["args.json", "metrics.jsonl.xz"]
-    kept = [json.loads(line) for line in lzma.decompress((packed / "metrics.jsonl.xz").read_bytes()).splitlines()]
+    kept = packed_rows(packed)
     assert [row["global_step"] for row in kept] == list(STEPS.astype(int))
     assert [row[RETURN] for row in kept] == [0.00314159, 0.0314159, 0.314159, 3.14159, 31.4159]
     for axis in ("steps", "time"):
         (a,), (b,) = (curves(draw([folder], tmp_path, "--x", axis)[0])[0].values() for folder in (original, packed))
         np.testing.assert_allclose(b.get_xdata(), a.get_xdata(), rtol=5e-6)  # 6 digits: 5e-6 at most
         np.testing.assert_allclose(b.get_ydata(), a.get_ydata(), rtol=5e-6)
+
+
+def test_pack_keeps_the_rows_packed_before_and_those_logged_since_in_order(tmp_path):
+    folder = write_run(tmp_path, "Pong-v5", "sebulba_impala", 1, rows(range(100), steps=np.arange(1, 101)))
+    assert plot.pack(ended(folder))[0] == 100
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n"  # the run logged on after the pack
+                                                  for row in rows(range(100, 120), steps=np.arange(101, 121))))
+    assert [row["global_step"] for row in plot.read_run(folder).rows] == list(range(1, 121))  # drawn alike
+    assert plot.pack(ended(folder))[0] == 120
+    assert [row["global_step"] for row in packed_rows(folder)] == list(range(1, 121))
+    assert [row[RETURN] for row in packed_rows(folder)] == list(range(120))
+    assert sorted(p.name for p in folder.iterdir()) == ["args.json", "metrics.jsonl.xz"]
+
+
+def test_rows_left_in_both_files_by_a_stopped_pack_are_kept_once(tmp_path):
+    folder = write_run(tmp_path, "Pong-v5", "sebulba_impala", 1, rows([np.pi] * 5))
+    plain = (folder / "metrics.jsonl").read_text()
+    plot.pack(ended(folder))
+    (folder / "metrics.jsonl").write_text(plain)  # as if the pack had stopped before removing it
+    assert plot.pack(ended(folder))[0] == 5
+    assert [row[RETURN] for row in packed_rows(folder)] == [3.14159] * 5
+
+
+def test_pack_refuses_a_run_still_logging_and_changes_nothing(tmp_path, monkeypatch, capsys):
+    folder = write_run(tmp_path, "Pong-v5", "sebulba_impala", 1, rows(seed_returns(1)))  # a row just written
+    result = run(SCRIPT, ["--pack", folder], tmp_path, run_dir=False)
+    assert re.search(r"its metrics.jsonl was written \d s ago, so its run may still be logging", error_line(result))
+    assert sorted(p.name for p in folder.iterdir()) == ["args.json", "metrics.jsonl"]
+    # A row logged while the rows are compressed: refused, nothing changed, every row still there.
+    compress = plot.lzma.compress
+
+    def logging_meanwhile(data, **kwargs):
+        with open(folder / "metrics.jsonl", "a") as f:
+            f.write(json.dumps({"global_step": 600, RETURN: 6.0}) + "\n")
+        return compress(data, **kwargs)
+
+    monkeypatch.setattr(plot.lzma, "compress", logging_meanwhile)
+    with pytest.raises(SystemExit) as stop:
+        plot.main(["--pack", str(ended(folder))])
+    assert stop.value.code == 2
+    assert "its run wrote metrics.jsonl while it was being packed" in capsys.readouterr().err
+    assert sorted(p.name for p in folder.iterdir()) == ["args.json", "metrics.jsonl"]
+    assert len(plot.read_run(folder).rows) == 6
+
+
+def test_a_pack_that_cannot_be_written_changes_nothing(tmp_path):
+    folder = write_run(tmp_path, "Pong-v5", "sebulba_impala", 1, rows(range(100), steps=np.arange(1, 101)))
+    plot.pack(ended(folder))
+    more = rows(np.random.default_rng(0).random(3000), steps=np.arange(101, 3101))  # noise: xz shrinks it little
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in more))
+    before = {path.name: path.read_bytes() for path in ended(folder).iterdir()}
+    result = run_small_disk(["--pack", folder], tmp_path, kib=4)  # the new file takes about 14 KB
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr == (f"error: --pack {folder}: cannot write metrics.jsonl.xz (File too large); nothing was "
+                             "changed\n")
+    assert {path.name: path.read_bytes() for path in folder.iterdir()} == before
 
 
 def test_a_last_line_cut_off_by_a_kill_is_left_out_with_a_note(tmp_path, capsys):
@@ -314,10 +393,45 @@ def test_a_command_missing_its_parts_says_what_is_missing(tmp_path, argv, expect
     (["--ref", "random=0.5@Asterix"], "a --ref ending in @ENV needs --panels"),
     (["--speed", "benchmark.json"], "give run folders, or --speed benchmark.json, not both"),
     (["--pack"], "--pack takes run folders and nothing else"),
+    (["-o", "{tmp}"], "-o {tmp}: a folder; it takes a picture's name"),
+    (["-o", "/dev/null"], "-o /dev/null: not a regular file"),
+    (["-o", "/sys/out.png"], "-o /sys/out.png: cannot write there ("),  # even for root
 ])
 def test_bad_flags_are_one_error_line_and_status_2(tmp_path, flags, expected):
     folder = write_run(tmp_path, "Catch", "anakin_catch", 1, rows(seed_returns(1)))
-    assert expected in bad_input(tmp_path, folder, *(f.format(tmp=tmp_path) for f in flags))
+    assert expected.format(tmp=tmp_path) in bad_input(tmp_path, folder, *(f.format(tmp=tmp_path) for f in flags))
+
+
+@pytest.mark.parametrize("metrics, args, expected", [
+    ('{"global_step": "100"}\n', None, 'a global_step that is a number (line 1: {"global_step": "100"})'),
+    ('{"global_step": 100, "charts/episodic_return": [1, 2]}\n', None,
+     "charts/episodic_return should be a number in every row that has it, not [1, 2] (at global_step 100)"),
+    ('{"global_step": 100, "charts/episodic_return": 1}\n', [1], "args.json should hold a JSON object"),
+    ('{"global_step": 100, "charts/episodic_return": 1}\n', {"env_id": ["Catch"]},
+     'env_id should be a string, not ["Catch"]'),
+    ('{"global_step": 100, "charts/episodic_return": 1}\n', {"num_seeds": "4"},
+     'num_seeds should be a whole number of at least 1, not "4"'),
+])
+def test_damaged_run_data_is_one_error_line_before_any_drawing(tmp_path, metrics, args, expected):
+    folder = tmp_path / "Catch__anakin_catch__1__1700000001"
+    folder.mkdir()
+    (folder / "metrics.jsonl").write_text(metrics)
+    if args is not None:
+        (folder / "args.json").write_text(json.dumps(args))
+    assert expected in bad_input(tmp_path, folder)
+
+
+def test_time_needs_numeric_sps(tmp_path):
+    folder = write_run(tmp_path, "Catch", "anakin_catch", 1, [{"global_step": 100, "charts/SPS": "fast", RETURN: 1}])
+    assert "--x time needs charts/SPS > 0 in every row" in bad_input(tmp_path, folder, "--x", "time")
+
+
+def test_a_picture_that_cannot_be_written_whole_leaves_no_file(folders, tmp_path):
+    out = tmp_path / "out.png"
+    result = run_small_disk([*folders, "-o", out], tmp_path, kib=4)  # the picture takes about 60 KB
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr == f"error: -o {out}: cannot write it (File too large)\n"
+    assert not out.exists() and not (tmp_path / "out.png.part").exists()
 
 
 @pytest.mark.parametrize("text, expected", [
@@ -325,6 +439,9 @@ def test_bad_flags_are_one_error_line_and_status_2(tmp_path, flags, expected):
     ("{", "benchmark.json is not valid JSON"),
     ('{"machine": "m"}', "no benchmark rows in it"),
     ('{"catch": [{"devices": 1, "train SPS": "fast"}]}', "a catch row has no numeric 'train SPS'"),
+    ('{"catch": [{"train SPS": "10", "raw env SPS": "0"}]}', "a catch row's 'train SPS' and 'raw env SPS' should be "
+                                                             "above 0"),
+    ('{"catch": {"train SPS": "10"}}', "catch should be a list of rows, each a JSON object"),
 ])
 def test_bad_speed_input_is_one_error_line(tmp_path, text, expected):
     if text is not None:
