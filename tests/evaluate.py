@@ -160,11 +160,10 @@ def state_template(script, module, args):
     args = dataclasses.replace(args, resume=None)  # the file it was resumed from need not exist any more
     one_device = Mesh(np.array(jax.devices()[:1]), ("devices",))
     if script == "anakin_catch.py":
-        args = module.check_args(args)
-        return args, module.init_on_mesh(args, one_device, 1)[1]
+        return args, module.initial_state(args, one_device, 1)[0]
     if script == "anakin_ppo.py":
         args = module.check_args(args)
-        return args, module.init_on_mesh(args, module.ENVS[args.env_id], one_device, 1)[1]
+        return args, module.initial_state(args, module.ENVS[args.env_id], one_device, 1)[0]
     args, env = module.check_args(args)
     return args, jax.eval_shape(partial(module.init_state, jax.random.PRNGKey(args.seed), args, env, 1))
 
@@ -230,8 +229,8 @@ def anakin_ppo_game(module, args, params, opts):
     def step_on_device(state):
         key, k_act, k_reset = jax.random.split(state.key, 3)
         out, _ = module.apply(params, state.obs)
-        noise = module.draw_noise(k_act, params, out.shape)
-        action = module.sample(params, out, jnp.zeros_like(noise) if opts.greedy else noise)
+        noise = module.draw_noise(env, k_act, out.shape)
+        action = module.sample(env, params, out, jnp.zeros_like(noise) if opts.greedy else noise)
         fresh = jax.vmap(lambda k: module.env_reset(env, k))(jax.random.split(k_reset, opts.num_envs))
         env_state, ended = jax.vmap(partial(module.env_step, env))(state.env_state, action, fresh)
         return state._replace(env_state=env_state, obs=ended.obs, key=key), ended
