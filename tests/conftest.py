@@ -9,8 +9,6 @@
   `spawn_two_hosts` starts them without waiting (for the dead-peer test).
 - `spawn(script, args, cwd)`: start a script without waiting (for signal tests), and
   `catches(proc, signum)`: whether it has installed its handler for that signal yet.
-- `interrupt_a_hung_run(proc, folder)`: Ctrl-C a Sebulba run once its env has hung (a test env
-  writes `folder/fault_time` when it does); returns the stopped update and seconds to exit.
 - `checksum(output)`: the parameter checksum a script prints at the end of a run.
 - `error_line(result)`: the one `error:` line of a run refused with exit status 2.
 """
@@ -19,15 +17,12 @@ import importlib.util
 import json
 import os
 import re
-import signal
 import socket
 import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -159,29 +154,6 @@ def catches(proc, signum):
         if line.startswith("SigCgt:"):
             return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
     return False
-
-
-def interrupt_a_hung_run(proc, folder):
-    """Send SIGINT once the env has hung (`folder/fault_time` exists) and the learner waits for a
-    rollout that never comes; the run must exit with status 130. Returns the update its stop line
-    names, after asserting that the checkpoint in `folder/runs` holds it, and the seconds it took."""
-    try:
-        deadline = time.monotonic() + 300
-        while not (folder / "fault_time").exists() and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert (folder / "fault_time").exists(), "the env never hung"
-        time.sleep(2)
-        sent = time.monotonic()
-        proc.send_signal(signal.SIGINT)
-        output = proc.communicate(timeout=60)[0]
-        took = time.monotonic() - sent
-    finally:
-        proc.kill()
-    assert proc.returncode == 130, output[-3000:]
-    update = int(re.search(r"stopped by SIGINT after update (\d+)", output)[1])
-    with np.load(next((folder / "runs").glob("*/checkpoint.npz")), allow_pickle=False) as f:
-        assert int(f["update"]) == update  # the last finished update's
-    return update, took
 
 
 def checksum(output):
