@@ -506,7 +506,7 @@ def pick_devices(args):
     return Mesh(np.array([d for host in hosts for d in host[:n]]), ("devices",))
 
 
-def initial_state(args, env, mesh, num_envs):
+def initial_state(args, env, mesh, num_envs, num_updates):
     """Every seed's TrainState on the mesh, fresh or resumed; its updates done."""
     shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), STATE_SPECS)
     keys = jax.random.split(jax.random.PRNGKey(args.seed), args.num_seeds)
@@ -518,6 +518,8 @@ def initial_state(args, env, mesh, num_envs):
         return init(keys, params), 0
     shapes = jax.eval_shape(init, keys, params)
     ckpt = load(args, {"state": shapes, "update": np.int64(0), "global_step": np.int64(0)})
+    if ckpt["update"] >= num_updates:
+        fail(f"--resume {args.resume}: its run has done all {num_updates} updates (raise --total-timesteps)")
     return jax.device_put(ckpt["state"], shardings), int(ckpt["update"])
 
 
@@ -536,7 +538,7 @@ def check_args(args):
     defaults = ENVS[args.env_id].defaults
     args = dataclasses.replace(args, **{k: v for k, v in defaults.items() if getattr(args, k) is None})
     rollout_size = args.num_steps * args.num_envs_per_device
-    if args.num_minibatches < 1 or rollout_size % args.num_minibatches:
+    if rollout_size % args.num_minibatches:
         fail(f"--num-minibatches {args.num_minibatches} must divide the rollout on each device, "
              f"--num-steps x --num-envs-per-device = {rollout_size}")
     if args.max_grad_norm <= 0:
@@ -545,9 +547,9 @@ def check_args(args):
 
 
 def main(args: Args) -> dict:
+    start(args)
     args = check_args(args)
     env = ENVS[args.env_id]
-    start_distributed(args)
     mesh = pick_devices(args)
     num_envs = args.num_envs_per_device * mesh.size  # of one agent, all hosts'
     steps_per_update = args.num_steps * num_envs
@@ -555,10 +557,10 @@ def main(args: Args) -> dict:
         fail(f"--total-timesteps {args.total_timesteps:,} is less than one update: {steps_per_update:,} steps "
              f"(--num-steps {args.num_steps} x {args.num_envs_per_device} envs x {mesh.size} devices)")
     num_updates = args.total_timesteps // steps_per_update
-    state, updates_done = initial_state(args, env, mesh, num_envs)
+    state, updates_done = initial_state(args, env, mesh, num_envs, num_updates)
     train = make_train(args, env, mesh, num_updates)
     train = train.lower(state, np.int32(0)).compile()  # before the clock starts
-    run, row = open_run(args, num_updates), {}
+    run, row = open_run(args, updates_done, num_updates), {}
     while updates_done < num_updates:
         n = min(args.log_every, num_updates - updates_done)
         tic = time.time()
@@ -578,31 +580,33 @@ def main(args: Args) -> dict:
 
 
 # ---- Plumbing: run folder, signals, checkpoints, metrics; the same in all four scripts ----
-
-STOPS = []  # signals caught
-
+STOPS, START = [], []  # signals caught; the time and update when the run began: the ETA's pace
 def fail(message):
     print(f"error: {message}", file=sys.stderr, flush=True)
     sys.exit(2)
 
-def start_distributed(args):  # unset flags: JAX detects them (SLURM, Cloud TPU, Kubernetes)
-    if args.distributed:
+def start(args):
+    """First in `main`: refuse counts below 1, join the other hosts, then catch SIGINT and SIGTERM from here on (JAX
+    drops a Ctrl-C that lands in its callbacks, and jax.distributed sets a SIGTERM handler of its own)."""
+    if low := [k for k, v in vars(args).items() if type(v) is int and v < 1 and k not in ("seed", "process_id")]:
+        fail(f"--{low[0].replace('_', '-')} {getattr(args, low[0])} must be at least 1")  # a count
+    if args.distributed:  # flags left unset are found by JAX itself (SLURM, Cloud TPU, Kubernetes)
         jax.distributed.initialize(args.coordinator_address, args.num_processes, args.process_id)
+    elif args.coordinator_address or args.num_processes or args.process_id is not None:
+        fail("--coordinator-address, --num-processes and --process-id need --distributed")
+    def note_stop(signum, frame):  # the run stops at its next safe point; a second signal ends it at once
+        STOPS.append(signum)
+        signal.signal(signal.SIGINT, signal.SIG_DFL), signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, note_stop), signal.signal(signal.SIGTERM, note_stop)
 
 class Run(NamedTuple):
     folder: Path | None  # {run-dir}/{env}__{exp-name}__{seed}__{unix time}; process 0 only
     writer: SummaryWriter | None  # TensorBoard
     num_updates: int
-
-def open_run(args, num_updates):
-    """SIGINT and SIGTERM now stop the run at the next safe point; a second, at once."""
-    def note_stop(signum, frame):
-        STOPS.append(signum)
-        signal.signal(signal.SIGINT, signal.SIG_DFL), signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, note_stop), signal.signal(signal.SIGTERM, note_stop)
+def open_run(args, update, num_updates):  # other characters become "_": --exp-name cannot leave --run-dir
+    START[:] = time.time(), update
     if jax.process_index() != 0:
         return Run(folder=None, writer=None, num_updates=num_updates)
-    # Other characters become "_": --exp-name cannot leave --run-dir.
     name = "__".join(re.sub(r"[^\w.+-]", "_", str(s)) for s in (args.env_id, args.exp_name, args.seed))
     (folder := Path(args.run_dir) / f"{name}__{int(time.time())}").mkdir(parents=True)
     (folder / "args.json").write_text(json.dumps(dataclasses.asdict(args), indent=2))
@@ -619,14 +623,15 @@ def safe_point(args, run, update, due, tree):  # save tree() if due or stopping;
             os.replace(run.folder / "tmp.npz", run.folder / "checkpoint.npz")
     if signum:
         end(run, 128 + signum, f"stopped by {signal.Signals(signum).name} after update {update}")
-
 def flat(tree):  # {"state/params/torso/w": array, ...}
     return {jax.tree_util.keystr(k, simple=True, separator="/"): x for k, x in jax.tree.leaves_with_path(tree)}
 
 def load(args, template):  # template's arrays, if the run had these shapes and flags
     try:
+        if (path := Path(args.resume)).exists() and not path.is_file():  # np.load blocks on a pipe
+            raise OSError("not a regular file")
         with np.load(args.resume, allow_pickle=False) as f:  # an .npz never runs code
-            arrays, saved = {name: f[name] for name in f.files}, json.loads(str(f["args"]))
+            arrays, saved = {name: f[name] for name in f.files}, dict(json.loads(str(f["args"])))
     except Exception as e:
         fail(f"--resume {args.resume} is not a readable checkpoint ({type(e).__name__}: {e})")
     free = ("total_timesteps", "log_every", "checkpoint_every", "resume", "exp_name", "run_dir",
@@ -639,7 +644,7 @@ def load(args, template):  # template's arrays, if the run had these shapes and 
             fail(f"--resume {args.resume}: its {name} is not {like.dtype}{list(like.shape)} here")
     return jax.tree.unflatten(jax.tree.structure(template), [arrays[n] for n in flat(template)])
 
-def log(run, row):  # process 0 only
+def log(run, row):  # process 0 writes and prints for all
     if bad := [k for k, v in row.items() if k.startswith("losses/") and not math.isfinite(v)]:
         end(run, 1, f"error: the run diverged: non-finite {', '.join(bad)} at update {row['update']}")
     if run.folder is None:
@@ -649,17 +654,15 @@ def log(run, row):  # process 0 only
     for name in [name for name in row if "/" in name]:
         run.writer.add_scalar(name, row[name], row["global_step"])
     run.writer.flush()
-    step, total = row["global_step"], row["global_step"] // row["update"] * run.num_updates
-    eta, score = int((total - step) / row["charts/SPS"]), row.get("charts/episodic_return")
-    print(f"update {row['update']}/{run.num_updates} | step {step:,}/{total:,} ({step / total:.0%}) "
+    update, n, step, score = row["update"], run.num_updates, row["global_step"], row.get("charts/episodic_return")
+    eta = int((time.time() - START[0]) / (update - START[1]) * (n - update))  # at the pace so far
+    print(f"update {update}/{n} | step {step:,}/{step // update * n:,} ({update / n:.0%}) "
           f"| SPS {row['charts/SPS']:,.0f} | return {'-' if score is None else f'{score:.2f}'} "
           f"| ETA {eta // 60}m{eta % 60:02d}s", flush=True)
-
 def end(run, code, line):
     ckpt = run.folder and run.folder / "checkpoint.npz"
     print(line + (f"; --resume {ckpt} to go on" if ckpt and ckpt.exists() else ""), file=sys.stderr)
     sys.exit(code)
-
 def checksum(params):  # equal runs and hosts print equal sums
     leaves = [x.addressable_data(0) for x in jax.tree.leaves(params)]
     return hashlib.sha256(b"".join(np.asarray(x).tobytes() for x in leaves)).hexdigest()

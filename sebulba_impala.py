@@ -121,7 +121,10 @@ def describe_env(env_id, machado):
         spaces = envpool.make_spec(env_id, **(atari_kwargs(machado) if atari else {}))
     else:
         source, atari = "gymnasium", False
-        importlib.import_module(module) if module else None  # registers `name`
+        try:  # the module registers `name` with gymnasium
+            importlib.import_module(module) if module else None
+        except Exception as e:  # a missing module, a syntax error or its own raise
+            fail(f"--env-id {env_id!r}: module {module!r} does not import ({type(e).__name__}: {e})")
         if name not in gym.registry:
             fail(f"--env-id {env_id!r}: no such envpool or gymnasium environment")
         spaces = gym.make(name)
@@ -580,7 +583,7 @@ def initial_state(args, env_info, layout, num_updates):
     ckpt = args.resume and load(args, {"state": jax.eval_shape(init), "update": np.int64(0),
                                        "global_step": np.int64(0)})
     if ckpt and ckpt["update"] >= num_updates:
-        fail(f"--resume {args.resume}: no update left (raise --total-timesteps)")
+        fail(f"--resume {args.resume}: its run has done all {num_updates} updates (raise --total-timesteps)")
     replicated = NamedSharding(layout.mesh, P())
     state = jax.tree.map(lambda a: jax.make_array_from_callback(a.shape, replicated, lambda i: a[i]),
                          ckpt["state"] if ckpt else jax.device_get(init()))
@@ -600,6 +603,8 @@ def check_args(args):
         fail(f"--network shallow takes images of 20x20 or more, not {env_info.obs_shape}")
     if args.max_grad_norm <= 0:
         fail(f"--max-grad-norm {args.max_grad_norm} would clip every gradient to 0")
+    if args.machado and not env_info.atari:
+        fail(f"--machado is Atari's protocol; --env-id {args.env_id!r} is not an envpool Atari game")
     return args, env_info
 
 def check_sizes(args, layout):
@@ -617,13 +622,13 @@ def check_sizes(args, layout):
 # ---- The run
 
 def main(args):
+    start(args)
     args, env_info = check_args(args)
-    start_distributed(args)
     layout = pick_devices(args)
     batch = check_sizes(args, layout)
     num_updates = args.total_timesteps // batch
     state, start_update = initial_state(args, env_info, layout, num_updates)
-    run = open_run(args, num_updates)
+    run = open_run(args, start_update, num_updates)
     (store := ParamStore(layout.actor_devices)).publish(start_update, state.params)
     queues = start_actors(args, layout, store, start_update, num_updates)
     try:  # a stop exits at once: a normal exit aborts if a thread is in envpool
@@ -636,31 +641,33 @@ def main(args):
 
 
 # ---- Plumbing: run folder, signals, checkpoints, metrics; the same in all four scripts ----
-
-STOPS = []  # signals caught
-
+STOPS, START = [], []  # signals caught; the time and update when the run began: the ETA's pace
 def fail(message):
     print(f"error: {message}", file=sys.stderr, flush=True)
     sys.exit(2)
 
-def start_distributed(args):  # unset flags: JAX detects them (SLURM, Cloud TPU, Kubernetes)
-    if args.distributed:
+def start(args):
+    """First in `main`: refuse counts below 1, join the other hosts, then catch SIGINT and SIGTERM from here on (JAX
+    drops a Ctrl-C that lands in its callbacks, and jax.distributed sets a SIGTERM handler of its own)."""
+    if low := [k for k, v in vars(args).items() if type(v) is int and v < 1 and k not in ("seed", "process_id")]:
+        fail(f"--{low[0].replace('_', '-')} {getattr(args, low[0])} must be at least 1")  # a count
+    if args.distributed:  # flags left unset are found by JAX itself (SLURM, Cloud TPU, Kubernetes)
         jax.distributed.initialize(args.coordinator_address, args.num_processes, args.process_id)
+    elif args.coordinator_address or args.num_processes or args.process_id is not None:
+        fail("--coordinator-address, --num-processes and --process-id need --distributed")
+    def note_stop(signum, frame):  # the run stops at its next safe point; a second signal ends it at once
+        STOPS.append(signum)
+        signal.signal(signal.SIGINT, signal.SIG_DFL), signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, note_stop), signal.signal(signal.SIGTERM, note_stop)
 
 class Run(NamedTuple):
     folder: Path | None  # {run-dir}/{env}__{exp-name}__{seed}__{unix time}; process 0 only
     writer: SummaryWriter | None  # TensorBoard
     num_updates: int
-
-def open_run(args, num_updates):
-    """SIGINT and SIGTERM now stop the run at the next safe point; a second, at once."""
-    def note_stop(signum, frame):
-        STOPS.append(signum)
-        signal.signal(signal.SIGINT, signal.SIG_DFL), signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, note_stop), signal.signal(signal.SIGTERM, note_stop)
+def open_run(args, update, num_updates):  # other characters become "_": --exp-name cannot leave --run-dir
+    START[:] = time.time(), update
     if jax.process_index() != 0:
         return Run(folder=None, writer=None, num_updates=num_updates)
-    # Other characters become "_": --exp-name cannot leave --run-dir.
     name = "__".join(re.sub(r"[^\w.+-]", "_", str(s)) for s in (args.env_id, args.exp_name, args.seed))
     (folder := Path(args.run_dir) / f"{name}__{int(time.time())}").mkdir(parents=True)
     (folder / "args.json").write_text(json.dumps(dataclasses.asdict(args), indent=2))
@@ -677,14 +684,15 @@ def safe_point(args, run, update, due, tree):  # save tree() if due or stopping;
             os.replace(run.folder / "tmp.npz", run.folder / "checkpoint.npz")
     if signum:
         end(run, 128 + signum, f"stopped by {signal.Signals(signum).name} after update {update}")
-
 def flat(tree):  # {"state/params/torso/w": array, ...}
     return {jax.tree_util.keystr(k, simple=True, separator="/"): x for k, x in jax.tree.leaves_with_path(tree)}
 
 def load(args, template):  # template's arrays, if the run had these shapes and flags
     try:
+        if (path := Path(args.resume)).exists() and not path.is_file():  # np.load blocks on a pipe
+            raise OSError("not a regular file")
         with np.load(args.resume, allow_pickle=False) as f:  # an .npz never runs code
-            arrays, saved = {name: f[name] for name in f.files}, json.loads(str(f["args"]))
+            arrays, saved = {name: f[name] for name in f.files}, dict(json.loads(str(f["args"])))
     except Exception as e:
         fail(f"--resume {args.resume} is not a readable checkpoint ({type(e).__name__}: {e})")
     free = ("total_timesteps", "log_every", "checkpoint_every", "resume", "exp_name", "run_dir",
@@ -697,7 +705,7 @@ def load(args, template):  # template's arrays, if the run had these shapes and 
             fail(f"--resume {args.resume}: its {name} is not {like.dtype}{list(like.shape)} here")
     return jax.tree.unflatten(jax.tree.structure(template), [arrays[n] for n in flat(template)])
 
-def log(run, row):  # process 0 only
+def log(run, row):  # process 0 writes and prints for all
     if bad := [k for k, v in row.items() if k.startswith("losses/") and not math.isfinite(v)]:
         end(run, 1, f"error: the run diverged: non-finite {', '.join(bad)} at update {row['update']}")
     if run.folder is None:
@@ -707,17 +715,15 @@ def log(run, row):  # process 0 only
     for name in [name for name in row if "/" in name]:
         run.writer.add_scalar(name, row[name], row["global_step"])
     run.writer.flush()
-    step, total = row["global_step"], row["global_step"] // row["update"] * run.num_updates
-    eta, score = int((total - step) / row["charts/SPS"]), row.get("charts/episodic_return")
-    print(f"update {row['update']}/{run.num_updates} | step {step:,}/{total:,} ({step / total:.0%}) "
+    update, n, step, score = row["update"], run.num_updates, row["global_step"], row.get("charts/episodic_return")
+    eta = int((time.time() - START[0]) / (update - START[1]) * (n - update))  # at the pace so far
+    print(f"update {update}/{n} | step {step:,}/{step // update * n:,} ({update / n:.0%}) "
           f"| SPS {row['charts/SPS']:,.0f} | return {'-' if score is None else f'{score:.2f}'} "
           f"| ETA {eta // 60}m{eta % 60:02d}s", flush=True)
-
 def end(run, code, line):
     ckpt = run.folder and run.folder / "checkpoint.npz"
     print(line + (f"; --resume {ckpt} to go on" if ckpt and ckpt.exists() else ""), file=sys.stderr)
     sys.exit(code)
-
 def checksum(params):  # equal runs and hosts print equal sums
     leaves = [x.addressable_data(0) for x in jax.tree.leaves(params)]
     return hashlib.sha256(b"".join(np.asarray(x).tobytes() for x in leaves)).hexdigest()

@@ -6,7 +6,7 @@
   its exit status, output and parsed `metrics.jsonl`.
 - `run_two_hosts(script, args, tmp_path)`: the same script as two processes on 127.0.0.1
   joined by `jax.distributed` (`--distributed` with a free coordinator port);
-  `spawn_two_hosts` starts them without waiting (for the dead-peer test).
+  `spawn_two_hosts` starts them without waiting (for the test that signals one host).
 - `spawn(script, args, cwd)`: start a script without waiting (for signal tests), and
   `catches(proc, signum)`: whether it has installed its handler for that signal yet.
 - `checksum(output)`: the parameter checksum a script prints at the end of a run.

@@ -250,7 +250,7 @@ def test_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_pa
     (["--env-id", "Catc"], ["--env-id", "'Catc'", "only 'Catch'"]),
     (["--num-devices", 3], ["--num-devices 3", "2 device"]),
     (["--total-timesteps", 1000], ["--total-timesteps", "one update", f"{2 * STEPS_PER_UPDATE:,}"]),
-    (["--num-envs-per-device", 0], ["--total-timesteps", "one update", "0 envs"]),
+    (["--num-envs-per-device", 0], ["--num-envs-per-device 0", "at least 1"]),
     (["--resume", "nowhere.npz"], ["--resume", "nowhere.npz", "No such file"]),
 ])
 def test_bad_input_is_one_clear_line_and_exit_2_before_compiling(tmp_path, args, words):

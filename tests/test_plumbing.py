@@ -1,13 +1,18 @@
 """The plumbing all four scripts share (one section, the same text in each) and the contract a copier keeps
-(CONVENTIONS.md, "Errors and faults"): stop signals, checkpoints that resume or are refused in one line, the
-run folder, a diverged run. Every case runs the real scripts, mostly as subprocesses."""
+(README.md, "Bad input and faults"): bad input in one line, stop signals, checkpoints that resume or are refused
+in one line, the run folder, a diverged run. Most cases run the real scripts as subprocesses; a few call the
+plumbing's functions directly, where a subprocess could not make the fault happen on purpose."""
 
 import ast
+import dataclasses
 import difflib
+import os
 import re
 import signal
 import subprocess
 import time
+from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -54,7 +59,8 @@ def test_the_algorithm_part_calls_at_most_8_plumbing_names_and_nothing_runs_befo
     text = (ROOT / script).read_text()
     algorithm, plumbing = text[:text.index("\n# ---- Plumbing")], ast.parse(section(script))
     defined = {node.name for node in plumbing.body if isinstance(node, (ast.FunctionDef, ast.ClassDef))}
-    defined |= {t.id for node in plumbing.body if isinstance(node, ast.Assign) for t in node.targets}
+    defined |= {name.id for node in plumbing.body if isinstance(node, ast.Assign) for target in node.targets
+                for name in ast.walk(target) if isinstance(name, ast.Name)}
     used = {node.id for node in ast.walk(ast.parse(algorithm)) if isinstance(node, ast.Name)} & defined
     assert len(used) <= 8, sorted(used)
     body = ast.parse(text).body
@@ -66,9 +72,17 @@ def test_the_algorithm_part_calls_at_most_8_plumbing_names_and_nothing_runs_befo
 
 # ---- Stop signals -------------------------------------------------------------------------
 
+def wait_for_main(proc):
+    """Until the script's `main` has installed its stop handlers. SIGTERM's is the marker: SIGINT has Python's own
+    handler from the interpreter's start, and a Ctrl-C before `main` can still be lost (README.md says so)."""
+    deadline = time.monotonic() + 120
+    while not catches(proc, signal.SIGTERM) and time.monotonic() < deadline:
+        time.sleep(0.001)
+
+
 @pytest.fixture(scope="module")
 def stopped_early(tmp_path_factory):
-    """Each script sent SIGTERM the moment its handler is installed (just before its first update):
+    """Each script sent SIGTERM the moment `main` starts (before anything is compiled):
     (exit status, output, checkpoint path). Shared by the tests that need a checkpoint."""
     cache = {}
 
@@ -77,9 +91,7 @@ def stopped_early(tmp_path_factory):
             folder = tmp_path_factory.mktemp(script.removesuffix(".py"))
             proc = spawn(script, [*quick(script), "--run-dir", folder / "runs"], folder)
             try:
-                deadline = time.monotonic() + 120
-                while not catches(proc, signal.SIGTERM) and time.monotonic() < deadline:
-                    time.sleep(0.001)
+                wait_for_main(proc)
                 proc.send_signal(signal.SIGTERM)
                 output = proc.communicate(timeout=300)[0]
             finally:
@@ -104,6 +116,61 @@ def test_sigterm_stops_after_the_next_update_with_a_checkpoint_that_resumes(tmp_
     assert [row["update"] for row in resumed.metrics] == [stopped + 1, stopped + 2]
 
 
+# A budget a run finishes in about 5-20 s here if a stop were lost, and its updates.
+START_UP = {"anakin_catch.py": 600_000, "sebulba_impala.py": 20_000}
+
+
+@pytest.mark.parametrize("moment", ["at once", "0.5 s later", "2 s later", "after the first progress line"])
+@pytest.mark.parametrize("script", list(START_UP))
+def test_a_ctrl_c_during_start_up_stops_the_run_at_its_first_safe_point(tmp_path, script, moment):
+    # Sent while the script sets up, compiles or runs its first update: before issue 60, JAX ignored the
+    # KeyboardInterrupt in most such tries and the run trained to its end.
+    budget = START_UP[script]
+    proc = spawn(script, [*quick(script, budget=budget), "--run-dir", tmp_path / "runs"], tmp_path)
+    try:
+        wait_for_main(proc)
+        if moment == "after the first progress line":
+            next(line for line in proc.stdout if line.startswith("update "))
+        else:
+            time.sleep({"at once": 0, "0.5 s later": 0.5, "2 s later": 2}[moment])
+        proc.send_signal(signal.SIGINT)
+        output = proc.communicate(timeout=300)[0]
+    finally:
+        proc.kill()
+    assert proc.returncode == 130 and "checksum" not in output, output[-3000:]
+    stopped = int(re.search(r"^stopped by SIGINT after update (\d+); --resume .+ to go on$", output, re.M)[1])
+    assert 1 <= stopped < budget // QUICK[script][1]
+
+
+def test_a_signal_during_the_last_call_exits_with_its_status_after_the_final_checkpoint(tmp_path):
+    # One compiled call makes all 10 updates, so a SIGTERM sent as `main` starts is still pending at its end.
+    flags = [*quick("anakin_catch.py", budget=10 * QUICK["anakin_catch.py"][1]), "--log-every", 10]
+    proc = spawn("anakin_catch.py", [*flags, "--run-dir", tmp_path / "runs"], tmp_path)
+    try:
+        wait_for_main(proc)
+        proc.send_signal(signal.SIGTERM)
+        output = proc.communicate(timeout=300)[0]
+    finally:
+        proc.kill()
+    assert proc.returncode == 143 and "checksum" not in output, output[-3000:]
+    ckpt = next((tmp_path / "runs").glob("*/checkpoint.npz"))
+    assert f"stopped by SIGTERM after update 10; --resume {ckpt} to go on" in output, output[-3000:]
+    with np.load(ckpt, allow_pickle=False) as f:
+        assert int(f["update"]) == 10
+    line = error_line(run("anakin_catch.py", [*flags, "--resume", ckpt], tmp_path))
+    assert line == f"error: --resume {ckpt}: its run has done all 10 updates (raise --total-timesteps)"
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_resuming_a_finished_run_is_one_line_in_every_script(tmp_path, stopped_early, script):
+    _, output, ckpt = stopped_early(script)
+    stopped = int(re.search(r"^stopped by SIGTERM after update (\d+)", output, re.M)[1])
+    result = run(script, quick(script, "--resume", ckpt, budget=stopped * QUICK[script][1]), tmp_path, timeout=120)
+    line = error_line(result)
+    assert line == f"error: --resume {ckpt}: its run has done all {stopped} updates (raise --total-timesteps)"
+    assert result.run_dir is None
+
+
 def test_a_signal_to_one_host_stops_every_host_after_the_same_update(tmp_path):
     procs, _ = spawn_two_hosts("anakin_catch.py", quick("anakin_catch.py"), tmp_path, devices=1)
     try:
@@ -120,65 +187,21 @@ def test_a_signal_to_one_host_stops_every_host_after_the_same_update(tmp_path):
     assert stops[0] == stops[1] and len(stops[0]) == 1, outputs
 
 
-HANGING_ENV = '''
-import time
-import gymnasium as gym
-import numpy as np
-
-
-class Hang(gym.Env):
-    """CartPole-sized observations; after 40 steps every step hangs."""
-    observation_space = gym.spaces.Box(-1.0, 1.0, (4,), np.float32)
-    action_space = gym.spaces.Discrete(2)
-    steps = 0
-
-    def reset(self, seed=None, options=None):
-        return np.zeros(4, np.float32), {}
-
-    def step(self, action):
-        Hang.steps += 1
-        while Hang.steps > 40:
-            time.sleep(1)
-        return np.zeros(4, np.float32), 1.0, False, False, {}
-
-
-gym.register("Hang-v0", entry_point=Hang)
-'''
-
-
-def test_a_second_signal_ends_the_process_at_once_while_the_first_waits_for_the_update(tmp_path):
-    # The learner waits for a rollout that never comes (its env hangs): the first SIGINT cannot stop it at an
-    # update boundary, so the second one, a second later, must end the process at once (the OS default).
-    (tmp_path / "hanging_env.py").write_text(HANGING_ENV)
-    flags = ["--env-id", "hanging_env:Hang-v0", "--local-num-envs", 1, "--num-steps", 4, "--num-actor-threads", 1,
-             "--total-timesteps", 10**6, "--run-dir", tmp_path / "runs"]
-    proc = spawn("sebulba_impala.py", flags, tmp_path, env={"PYTHONPATH": str(tmp_path)})
-    try:
-        deadline = time.monotonic() + 120
-        while not catches(proc, signal.SIGTERM) and time.monotonic() < deadline:  # SIGINT's is Python's too
-            time.sleep(0.01)
-        time.sleep(3)  # the env hangs after 40 steps: 10 rollouts of 4
-        proc.send_signal(signal.SIGINT)
-        time.sleep(1)
-        assert proc.poll() is None, proc.communicate()[0][-3000:]  # it waits for the next update
-        sent = time.monotonic()
-        proc.send_signal(signal.SIGINT)
-        output = proc.communicate(timeout=30)[0]
-        took = time.monotonic() - sent
-    finally:
-        proc.kill()
-    assert proc.returncode == -signal.SIGINT and took < 5, (proc.returncode, took, output[-3000:])
-
-
 # ---- Checkpoints refused in one line -------------------------------------------------------
 
-@pytest.mark.parametrize("kind", ["missing", "empty", "random bytes", "truncated"])
+@pytest.mark.parametrize("kind", ["missing", "empty", "random bytes", "truncated", "a pipe", "args a list",
+                                  "args a number"])
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_an_unreadable_checkpoint_is_one_error_line(tmp_path, stopped_early, script, kind):
     _, _, ckpt = stopped_early(script)
     bad = tmp_path / "bad.npz"
-    if kind != "missing":
-        data = ckpt.read_bytes()
+    data = ckpt.read_bytes()
+    if kind == "a pipe":  # np.load would wait forever for a writer
+        os.mkfifo(bad)
+    elif kind.startswith("args"):  # JSON, but not the object of flags a checkpoint holds
+        with np.load(ckpt, allow_pickle=False) as f:
+            np.savez(bad, **{**f, "args": "[1, 2]" if kind == "args a list" else "7"})
+    elif kind != "missing":
         bad.write_bytes({"empty": b"", "random bytes": np.random.default_rng(0).bytes(4096),
                          "truncated": data[: len(data) // 2]}[kind])
     line = error_line(run(script, [*quick(script), "--resume", bad], tmp_path, timeout=120))
@@ -205,7 +228,55 @@ def test_a_checkpoint_never_runs_code(tmp_path, stopped_early):
     assert "not a readable checkpoint (ValueError: Object arrays cannot be loaded when allow_pickle=False" in line
 
 
-# ---- The run folder and a diverged run ------------------------------------------------------
+# ---- Bad input: one line on stderr, exit 2, before compiling ------------------------------
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_count_below_1_is_refused_in_one_place_before_anything_else(script, monkeypatch, capsys):
+    module = load(script)
+    monkeypatch.setattr(module.signal, "signal", lambda *_: None)  # no handlers in the test process
+    counts = [f.name for f in dataclasses.fields(module.Args) if f.type in (int, int | None)]
+    counts = [name for name in counts if name not in ("seed", "process_id")]  # these may be 0
+    assert {"total_timesteps", "log_every", "checkpoint_every", "num_processes"} < set(counts)
+    for name in counts:
+        for value in (0, -1):
+            with pytest.raises(SystemExit) as stop:
+                module.start(dataclasses.replace(module.Args(), **{name: value}))
+            out, err = capsys.readouterr()
+            assert stop.value.code == 2 and not out
+            assert err == f"error: --{name.replace('_', '-')} {value} must be at least 1\n"
+
+
+RAISES = "raise RuntimeError('its own error')\n"
+BAD_INPUT = [  # (script, flags, the error line's start and a word it names)
+    ("anakin_catch.py", ["--log-every", -1], "error: --log-every -1 must be at least 1"),
+    ("anakin_ppo.py", ["--log-every", -1], "error: --log-every -1 must be at least 1"),
+    ("sebulba_impala.py", ["--num-steps", -1], "error: --num-steps -1 must be at least 1"),
+    ("sebulba_impala.py", ["--num-actor-threads", -1], "error: --num-actor-threads -1 must be at least 1"),
+    ("sebulba_ppo_atari.py", ["--num-minibatches", 0], "error: --num-minibatches 0 must be at least 1"),
+    ("sebulba_impala.py", ["--env-id", "nosuchmod:Foo-v0"],
+     "error: --env-id 'nosuchmod:Foo-v0': module 'nosuchmod' does not import (ModuleNotFoundError"),
+    ("sebulba_impala.py", ["--env-id", "../x:Foo-v0"], "error: --env-id '../x:Foo-v0': module '../x' does not import"),
+    ("sebulba_impala.py", ["--env-id", "broken:Foo-v0"],
+     "error: --env-id 'broken:Foo-v0': module 'broken' does not import (SyntaxError"),
+    ("sebulba_ppo_atari.py", ["--env-id", "raising:Foo-v0"],
+     "error: --env-id 'raising:Foo-v0': module 'raising' does not import (RuntimeError: its own error)"),
+    ("sebulba_impala.py", ["--env-id", "CartPole-v1", "--machado"],
+     "error: --machado is Atari's protocol; --env-id 'CartPole-v1' is not an envpool Atari game"),
+    ("anakin_catch.py", ["--process-id", 1, "--num-processes", 2],
+     "error: --coordinator-address, --num-processes and --process-id need --distributed"),
+]
+
+
+@pytest.mark.parametrize("script, flags, start", BAD_INPUT, ids=[" ".join(map(str, c[:2])) for c in BAD_INPUT])
+def test_bad_input_is_one_error_line_on_stderr_and_nothing_on_stdout(tmp_path, script, flags, start):
+    (tmp_path / "broken.py").write_text("def (\n")
+    (tmp_path / "raising.py").write_text(RAISES)
+    proc = subprocess.run(command(script, [*flags, "--run-dir", tmp_path / "runs"]), cwd=tmp_path, text=True,
+                          env=_env(1, {"PYTHONPATH": str(tmp_path)}), capture_output=True, timeout=120)
+    assert proc.returncode == 2 and not proc.stdout, (proc.stdout, proc.stderr)
+    assert proc.stderr.startswith(start) and proc.stderr.count("\n") == 1, proc.stderr
+    assert not (tmp_path / "runs").exists()
+
 
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_a_parser_error_exits_2_on_stderr(tmp_path, script):
@@ -214,23 +285,77 @@ def test_a_parser_error_exits_2_on_stderr(tmp_path, script):
     assert proc.returncode == 2 and "no-such-flag" in proc.stderr and not proc.stdout
 
 
-def test_run_folders_stay_inside_run_dir_whatever_exp_name_says(tmp_path, monkeypatch):
-    catch = load("anakin_catch.py")
-    monkeypatch.setattr(catch.signal, "signal", lambda *_: None)  # no handlers in the test process
-    for i, name in enumerate(("../../../escaped", "a/b", "two\nlines", "/abs")):
-        run_ = catch.open_run(catch.Args(run_dir=str(tmp_path / str(i)), exp_name=name), 1)
+# ---- The run folder, the progress line, checkpoint writes and a diverged run ---------------
+
+@pytest.fixture
+def catch(monkeypatch):
+    """anakin_catch.py as a module: its plumbing is the same text in all four scripts (the first test above)."""
+    module = load("anakin_catch.py")
+    monkeypatch.setattr(module, "STOPS", [])
+    return module
+
+
+def test_run_folders_stay_one_flat_folder_inside_run_dir(tmp_path, catch):
+    names = [("Catch", "../../../escaped"), ("Catch", "a/b"), ("Catch", "two\nlines"), ("Catch", "/abs"),
+             ("tests.minatar_envs:MinAtar/Breakout-v1", "x"), ("../m:a/b-v0", "x")]
+    for i, (env_id, exp_name) in enumerate(names):
+        run_ = catch.open_run(catch.Args(env_id=env_id, run_dir=str(tmp_path / str(i)), exp_name=exp_name), 0, 1)
         run_.writer.close()
         assert run_.folder.parent == tmp_path / str(i) and (run_.folder / "args.json").is_file()
-        assert re.sub(r"[^\w.+-]", "_", name) in run_.folder.name
-    assert {p.name for p in tmp_path.iterdir()} == {"0", "1", "2", "3"}
+        assert re.sub(r"[^\w.+-]", "_", exp_name) in run_.folder.name and "/" not in run_.folder.name
+    assert {p.name for p in tmp_path.iterdir()} == {str(i) for i in range(len(names))}
 
 
-def test_a_diverged_run_writes_no_checkpoint_of_non_finite_parameters_and_names_the_last_good_one(tmp_path):
+def test_the_eta_is_the_wall_time_per_update_so_far_whatever_the_sps(tmp_path, catch, monkeypatch, capsys):
+    run_ = catch.open_run(catch.Args(run_dir=str(tmp_path)), 0, 100)
+    now = iter([130.0, 190.0])  # the times of the two lines below; the run began at 100 s, at update 0
+    monkeypatch.setattr(catch, "time", SimpleNamespace(time=lambda: next(now)))
+    catch.START[:] = 100.0, 0
+    # An SPS of all --num-seeds agents' steps (8 here) while global_step counts one agent's, as anakin_ppo logs.
+    for update in (10, 20):
+        catch.log(run_, {"global_step": update * 512, "update": update, "charts/SPS": 8 * 512 / 3.0})
+    run_.writer.close()
+    etas = re.findall(r"\| ETA (\S+)$", capsys.readouterr().out, re.M)
+    assert etas == ["4m30s", "6m00s"]  # 30 s for 10 updates, 90 left; then 90 s for 20, 80 left
+
+
+def test_a_checkpoint_write_that_fails_part_way_leaves_the_previous_checkpoint_as_it_was(tmp_path, catch,
+                                                                                        monkeypatch):
+    run_ = catch.open_run(catch.Args(run_dir=str(tmp_path)), 0, 10)
+    catch.safe_point(catch.Args(), run_, 1, True, lambda: {"w": np.ones(3, np.float32)})
+    before = (run_.folder / "checkpoint.npz").read_bytes()
+
+    def torn(path, **arrays):  # as a full disk would: half a file, then the error
+        Path(path).write_bytes(before[: len(before) // 2])
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(catch.np, "savez", torn)
+    with pytest.raises(OSError, match="No space left"):
+        catch.safe_point(catch.Args(), run_, 2, True, lambda: {"w": np.full(3, 2.0, np.float32)})
+    assert (run_.folder / "checkpoint.npz").read_bytes() == before
+    run_.writer.close()
+
+
+def test_a_run_that_diverges_after_a_good_checkpoint_names_it_and_keeps_it(tmp_path, catch, capsys):
+    run_ = catch.open_run(catch.Args(run_dir=str(tmp_path)), 0, 10)
+    catch.safe_point(catch.Args(), run_, 1, True, lambda: {"w": np.ones(3, np.float32)})
+    ckpt = run_.folder / "checkpoint.npz"
+    before = ckpt.read_bytes()
+    with pytest.raises(SystemExit) as stop:
+        catch.safe_point(catch.Args(), run_, 2, True, lambda: {"w": np.array([1.0, np.nan, 1.0], np.float32)})
+    assert stop.value.code == 1 and ckpt.read_bytes() == before
+    assert capsys.readouterr().err == (f"error: the run diverged: non-finite parameters after update 2; "
+                                       f"--resume {ckpt} to go on\n")
+    run_.writer.close()
+
+
+def test_a_diverged_run_writes_no_checkpoint_of_non_finite_parameters(tmp_path):
     # With this step size the first update's parameters overflow while its loss is still finite.
     flags = ["--env-id", "CartPole-v1", "--num-actor-threads", 1, "--local-num-envs", 2, "--num-steps", 8,
              "--total-timesteps", 64, "--checkpoint-every", 1]
     result = run("sebulba_impala.py", [*flags, "--learning-rate", 1e308], tmp_path / "diverged")
     assert result.returncode == 1 and "Traceback" not in result.output, result.output[-3000:]
     (line,) = [line for line in result.output.splitlines() if line.startswith("error:")]
-    assert line.startswith("error: the run diverged: non-finite parameters after update 1"), line
-    assert not (result.run_dir / "checkpoint.npz").exists() and not list(result.run_dir.glob("*.npz"))
+    assert line == "error: the run diverged: non-finite parameters after update 1", line
+    assert not list(result.run_dir.glob("*.npz"))
+
