@@ -148,7 +148,9 @@ def make_envs(args, num_envs, seed):
         pool = gym.make_vec(args.env_id.rpartition(":")[2], num_envs, vectorization_mode="sync")
     else:  # the host's cores shared among all env batches' worker threads
         batches = len(args.actor_device_ids or [0]) * args.num_actor_threads * (1 + args.async_envs)
-        threads = min(num_envs, max(1, len(os.sched_getaffinity(0)) // batches))
+        # The cores this process may use: Linux can say (a container's share); macOS and Windows cannot.
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        threads = min(num_envs, max(1, cores // batches))
         pool = envpool.make(args.env_id, env_type="gymnasium", num_envs=num_envs, seed=seed, num_threads=threads,
                             **(atari_kwargs(args.machado) if env_info.atari else {}))
     return Envs(pool=pool, env_info=env_info, seed=seed)
@@ -618,6 +620,12 @@ def check_sizes(args, layout):
         fail(f"--total-timesteps {args.total_timesteps} is less than one update ({batch:,} steps)")
     return batch
 
+def note_a_cpu_learner(args, env_info, layout):
+    """A CPU learner with an Atari-sized image network runs for days: name the recipe that runs in hours."""
+    if layout.learner_devices[0].platform == "cpu" and args.network == "deep" and min(env_info.obs_shape[1:]) >= 36:
+        print("note: the learner is a CPU, where the deep ResNet trains about 100 steps/s (2 cores); README's CPU "
+              "recipe: --network shallow --num-actor-threads 2 --local-num-envs 1 --num-steps 16", flush=True)
+
 
 # ---- The run
 
@@ -626,6 +634,7 @@ def main(args):
     args, env_info = check_args(args)
     layout = pick_devices(args)
     batch = check_sizes(args, layout)
+    note_a_cpu_learner(args, env_info, layout)
     num_updates = args.total_timesteps // batch
     state, start_update = initial_state(args, env_info, layout, num_updates)
     run = open_run(args, start_update, num_updates)

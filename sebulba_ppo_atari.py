@@ -139,7 +139,9 @@ def make_envs(args, num_envs, seed):
         pool = gym.make_vec(args.env_id.rpartition(":")[2], num_envs, vectorization_mode="sync")
     else:  # the host's cores shared among all env batches' worker threads
         batches = len(args.actor_device_ids or [0]) * args.num_actor_threads * (1 + args.async_envs)
-        threads = min(num_envs, max(1, len(os.sched_getaffinity(0)) // batches))
+        # The cores this process may use: Linux can say (a container's share); macOS and Windows cannot.
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        threads = min(num_envs, max(1, cores // batches))
         pool = envpool.make(args.env_id, env_type="gymnasium", num_envs=num_envs, seed=seed, num_threads=threads,
                             **(atari_kwargs(args.machado) if env_info.atari else {}))
     return Envs(pool=pool, env_info=env_info, seed=seed)
@@ -642,6 +644,13 @@ def check_sizes(args, layout):
         fail(f"--num-minibatches {args.num_minibatches} must divide a learner's samples")
     return batch
 
+def note_a_cpu_learner(args, env_info, layout):
+    """A CPU learner with the Nature CNN runs for days: name the recipe that runs in hours."""
+    if layout.learner_devices[0].platform == "cpu" and cnn_for(env_info.obs_shape) == NATURE:
+        print("note: the learner is a CPU, where 4 epochs of the Nature CNN train about 190 steps/s (2 cores); "
+              "README's CPU recipe: --num-actor-threads 1 --local-num-envs 8 --num-steps 32 --update-epochs 2 "
+              "--no-anneal-lr --log-every 8", flush=True)
+
 
 # ---- The run
 
@@ -650,6 +659,7 @@ def main(args):
     args, env_info = check_args(args)
     layout = pick_devices(args)
     batch = check_sizes(args, layout)
+    note_a_cpu_learner(args, env_info, layout)
     num_updates = args.total_timesteps // batch
     state, start_update = initial_state(args, env_info, layout, num_updates)
     run = open_run(args, start_update, num_updates)

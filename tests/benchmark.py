@@ -117,7 +117,7 @@ def machine_bound(env_id, env_kwargs, num_actions, sizes, seconds):
     import envpool
     import numpy as np
 
-    cores, found = len(os.sched_getaffinity(0)), {}
+    cores, found = host_cores(), {}
     for mode, size in [("sync", s) for s in sizes] + [("async", s) for s in sizes[:-1] or sizes]:
         n = size if mode == "sync" else 3 * size
         pool = envpool.make(env_id, env_type="gymnasium", num_envs=n, batch_size=size, num_threads=min(n, cores),
@@ -137,8 +137,13 @@ def machine_bound(env_id, env_kwargs, num_actions, sizes, seconds):
     return best, found[best], found
 
 
+def host_cores():
+    """The cores this process may use (Linux: its affinity, a container's share), else all the machine's."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
 def bound_sizes(env, tiny=False):
-    cores = len(os.sched_getaffinity(0))
+    cores = host_cores()
     if tiny:
         return (2, 4)
     return (16, 64, 256, 1024) if len(env.obs_shape) == 1 else (8, 16, 32, 64) + ((128,) if cores >= 8 else ())
@@ -332,7 +337,7 @@ def bound_worker(env_id, tiny):
 
 def gpu_check(out, tiny):
     start, grid = time.monotonic(), [c for c in GPU_GRID if not c[1]] if tiny else GPU_GRID
-    result = {"machine": f"{platform.processor() or platform.machine()}, {len(os.sched_getaffinity(0))} CPU cores",
+    result = {"machine": f"{platform.processor() or platform.machine()}, {host_cores()} CPU cores",
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "load": os.getloadavg(), "tiny": tiny,
               "bound": worker("bound_worker", cpu=False, timeout=120, env_id="Breakout-v5", tiny=tiny), "runs": []}
     print(f"Breakout-v5 on all cores: {result['bound']['sps']:,.0f} steps/s ({result['bound']['best']})", flush=True)
@@ -386,7 +391,7 @@ def main():
         return
     if args.gpu_check:
         return gpu_check(Path(args.out or "gpu_check.json"), args.tiny)
-    machine = f"{platform.processor() or platform.machine()}, {len(os.sched_getaffinity(0))} CPU cores"
+    machine = f"{platform.processor() or platform.machine()}, {host_cores()} CPU cores"
     results = {"machine": machine}
     with tempfile.TemporaryDirectory() as folder:
         baseline = args.baseline and (args.baseline, checkout(args.baseline, Path(folder)))

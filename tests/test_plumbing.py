@@ -10,6 +10,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -359,3 +360,22 @@ def test_a_diverged_run_writes_no_checkpoint_of_non_finite_parameters(tmp_path):
     assert line == "error: the run diverged: non-finite parameters after update 1", line
     assert not list(result.run_dir.glob("*.npz"))
 
+
+# ---- The machines users have ------------------------------------------------------------------
+
+# macOS and Windows have no os.sched_getaffinity: run a script as there, without it.
+WITHOUT_AFFINITY = ("import os, runpy, sys; del os.sched_getaffinity; sys.argv = sys.argv[1:]; "
+                    "runpy.run_path(sys.argv[0], run_name='__main__')")
+
+
+@pytest.mark.parametrize("script, flags, notes", [
+    ("sebulba_impala.py", [], 1), ("sebulba_ppo_atari.py", [], 1), ("sebulba_impala.py", ["--network", "shallow"], 0),
+], ids=["impala deep", "ppo nature", "impala shallow"])
+def test_sebulba_runs_without_sched_getaffinity_and_names_the_cpu_recipe_once(tmp_path, script, flags, notes):
+    flags = ["--env-id", "Breakout-v5", "--num-actor-threads", 1, "--local-num-envs", 4, "--num-steps", 8,
+             "--total-timesteps", 64, *flags, "--run-dir", tmp_path / "runs"]
+    proc = subprocess.run([sys.executable, "-c", WITHOUT_AFFINITY, ROOT / script, *map(str, flags)], cwd=tmp_path,
+                          env=_env(1, None), text=True, capture_output=True, timeout=300)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert re.search(r"^checksum [0-9a-f]{64}$", proc.stdout, re.M), proc.stdout[-3000:]
+    assert proc.stdout.count("note: the learner is a CPU, where ") == notes, proc.stdout[-3000:]
