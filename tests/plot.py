@@ -185,7 +185,10 @@ def pack(folder):
         os.replace(new, packed)  # the old file stays whole until the new one is
         plain.unlink(missing_ok=True)
     except OSError as e:  # a full disk, a read-only folder
-        new.unlink(missing_ok=True)
+        try:
+            new.unlink(missing_ok=True)
+        except OSError:  # A read-only file system refuses even to remove a file it does not hold.
+            pass
         fail(f"--pack {folder}: cannot write {packed.name} ({e.strerror or e}); nothing was changed")
     return len(rows), sum(path.stat().st_size for path in folder.iterdir())
 

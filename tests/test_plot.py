@@ -284,6 +284,33 @@ def test_a_pack_that_cannot_be_written_changes_nothing(tmp_path):
     assert {path.name: path.read_bytes() for path in folder.iterdir()} == before
 
 
+def run_read_only(argv, folder, tmp_path):
+    """plot.py with `folder` bind-mounted read-only in a mount namespace of its own (root writes past chmod, not past
+    a read-only mount; the mount ends with the process). Skips the test where unshare or mount is not allowed."""
+    mount = f"mount --bind {shlex.quote(str(folder))} {shlex.quote(str(folder))} && " \
+            f"mount -o remount,ro,bind {shlex.quote(str(folder))}"
+    try:
+        probe = subprocess.run(["unshare", "-rm", "bash", "-c", f"{mount} && ! touch {shlex.quote(str(folder))}/w"],
+                               capture_output=True, text=True, timeout=60)
+    except FileNotFoundError:
+        probe = None
+    if probe is None or probe.returncode != 0:
+        pytest.skip(f"no read-only bind mount here ({probe.stderr.strip() if probe else 'no unshare'})")
+    line = f"{mount} && exec {shlex.join(command(SCRIPT, argv))}"
+    return subprocess.run(["unshare", "-rm", "bash", "-c", line], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_a_pack_in_a_read_only_folder_is_one_error_line_and_changes_nothing(tmp_path):
+    folder = write_run(tmp_path, "Pong-v5", "sebulba_impala", 1, rows(seed_returns(1)))
+    before = {path.name: path.read_bytes() for path in ended(folder).iterdir()}
+    result = run_read_only(["--pack", folder], folder, tmp_path)
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr == f"error: --pack {folder}: cannot write metrics.jsonl.xz (Read-only file system); " \
+                            "nothing was changed\n"
+    assert {path.name: path.read_bytes() for path in folder.iterdir()} == before
+
+
 def test_a_last_line_cut_off_by_a_kill_is_left_out_with_a_note(tmp_path, capsys):
     folder = write_run(tmp_path, "Catch", "anakin_catch", 1, rows(seed_returns(1)))
     with open(folder / "metrics.jsonl", "a") as f:
