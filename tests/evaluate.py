@@ -441,6 +441,11 @@ def parse_args(argv):
         fail(f"--episodes {args.episodes} must be at least 1")
     if args.num_envs < 1:
         fail(f"--num-envs {args.num_envs} must be at least 1")
+    # envpool seeds env i with seed + i, an int32: even seed 0 allows only so many envs, and the seed's range
+    # below would be empty (its message nonsense) were the env count past that.
+    if min(args.num_envs, args.episodes) > 2**31 - 1:
+        fail(f"--num-envs {args.num_envs:,} must be at most {2**31 - 1:,} (envpool seeds env i with --seed + i, "
+             "an int32)")
     args.num_envs = min(args.num_envs, args.episodes)
     if not 0 <= args.seed < 2**31 - args.num_envs:  # envpool seeds env i with seed + i, an int32
         fail(f"--seed {args.seed} must be in 0..{2**31 - args.num_envs - 1:,}")

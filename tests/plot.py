@@ -25,7 +25,8 @@ beside the bound it was measured against (the `... SPS` column that is not `trai
 log scale, with the ratio written at the end of the training bar.
 
 --pack makes copied run folders light enough to keep in the repository (`pack` says how); the
-drawing reads metrics.jsonl or the packed metrics.jsonl.xz alike, and both where a run logged on after a pack.
+drawing reads metrics.jsonl or the packed metrics.jsonl.xz alike, and both where a run logged on after a pack
+(also metrics.jsonl.packing, where --pack moves metrics.jsonl before reading it, where a pack left it).
 """
 
 import argparse
@@ -37,7 +38,6 @@ import os
 import re
 import sys
 import textwrap
-import time
 from pathlib import Path
 from typing import NamedTuple
 
@@ -45,8 +45,9 @@ import numpy as np
 
 X_LABELS = {"steps": "environment steps", "time": "training wall-clock seconds"}
 RUN_BUDGET = 1_000_000  # bytes a run folder kept in tests/figures/runs/ may hold (tests/figures/README.md)
-# A run appends a row to metrics.jsonl at each log line: one written this recently may belong to a run still going.
-LIVE_SECONDS = 60
+# A run folder's metrics files, in the order their rows were logged: those packed, those --pack moved aside to
+# pack them (left there where a pack stopped part-way), and those a run logs (also after a pack).
+METRICS = ("metrics.jsonl.xz", "metrics.jsonl.packing", "metrics.jsonl")
 
 
 class Run(NamedTuple):
@@ -109,17 +110,16 @@ def rounded(row):
     return {k: float(f"{v:.6g}") if type(v) is float else v for k, v in row.items()}
 
 
-def read_rows(folder):
-    """The rows of a run folder: those packed in metrics.jsonl.xz (a run kept in the repository), then those of
-    metrics.jsonl (where a run logs, also after a pack of its first rows)."""
-    plain, packed = folder / "metrics.jsonl", folder / "metrics.jsonl.xz"
-    if not (plain.is_file() or packed.is_file()):
+def read_rows(folder, names=METRICS):
+    """The rows of a run folder's metrics files (`names`, of METRICS), in the order they were logged."""
+    paths = [folder / name for name in names if (folder / name).is_file()]
+    if not paths:
         fail(f"no metrics.jsonl in {folder} (a run folder holds args.json and metrics.jsonl or metrics.jsonl.xz)")
-    rows = read_metrics(packed) if packed.is_file() else []
-    if plain.is_file():
-        # A pack stopped between moving its file into place and removing metrics.jsonl leaves rows in both.
-        kept = {json.dumps(row) for row in rows}
-        rows += [row for row in read_metrics(plain) if json.dumps(rounded(row)) not in kept]
+    rows = []
+    for path in paths:
+        # A pack stopped after moving its new file into place leaves the rows it packed in their old file too.
+        kept = {json.dumps(rounded(row)) for row in rows}
+        rows += [row for row in read_metrics(path) if json.dumps(rounded(row)) not in kept]
     return rows
 
 
@@ -165,29 +165,47 @@ def read_run(folder):
 def pack(folder):
     """--pack: a run folder as the repository keeps it (tests/figures/README.md, "Adding a run"): every row
     (those packed before and those logged since), rounded, compressed by xz in place of metrics.jsonl.
-    Returns the number of rows and the folder's size in bytes."""
+    metrics.jsonl is moved aside to metrics.jsonl.packing before it is read, so a run still logging starts a new
+    metrics.jsonl, which this pack leaves to the next: no row is lost, however often or seldom the run logs.
+    Returns the number of rows packed and the folder's size in bytes."""
     folder = Path(folder)
-    plain, packed, new = (folder / name for name in ("metrics.jsonl", "metrics.jsonl.xz", "metrics.jsonl.xz.part"))
-    before = written(plain)
-    age = time.time() - before[1] / 1e9 if before else math.inf
-    if age < LIVE_SECONDS:
-        fail(f"--pack {folder}: its metrics.jsonl was written {age:.0f} s ago, so its run "
-             f"may still be logging: pack it once the run has ended ({LIVE_SECONDS} s after its last row)")
-    rows = read_rows(folder)
+    plain, aside = folder / "metrics.jsonl", folder / "metrics.jsonl.packing"
+    if aside.is_file():  # A pack stopped part-way left rows aside: packed first, as none may be moved onto them.
+        pack_aside(folder)
+    if plain.is_file() and not aside.is_file():
+        try:
+            os.replace(plain, aside)
+        except OSError as e:  # a read-only folder
+            fail(f"--pack {folder}: cannot move metrics.jsonl aside to pack it ({e.strerror or e}); nothing was "
+                 "changed")
+    rows = pack_aside(folder)
+    return rows, sum(path.stat().st_size for path in folder.iterdir())
+
+
+def pack_aside(folder):
+    """The rows of metrics.jsonl.xz and metrics.jsonl.packing into a new metrics.jsonl.xz; the number of rows."""
+    aside, packed, new = (folder / name for name in ("metrics.jsonl.packing", "metrics.jsonl.xz",
+                                                     "metrics.jsonl.xz.part"))
+    before = written(aside)
+    rows = read_rows(folder, METRICS[:2])
     text = "".join(json.dumps(rounded(row)) + "\n" for row in rows)
     try:
         new.write_bytes(lzma.compress(text.encode(), preset=9 | lzma.PRESET_EXTREME))
-        # A run that logged while this one packed would lose that row with metrics.jsonl: leave it all as it was.
-        if written(plain) != before:
-            new.unlink()
-            fail(f"--pack {folder}: its run wrote metrics.jsonl while it was being packed, so it is still going: "
-                 "nothing was changed; pack it once the run has ended")
         os.replace(new, packed)  # the old file stays whole until the new one is
-        plain.unlink(missing_ok=True)
-    except OSError as e:  # a full disk, a read-only folder
-        new.unlink(missing_ok=True)
-        fail(f"--pack {folder}: cannot write {packed.name} ({e.strerror or e}); nothing was changed")
-    return len(rows), sum(path.stat().st_size for path in folder.iterdir())
+        # A run that opened metrics.jsonl just before the move writes its row here, maybe after it was read: the
+        # file then stays, for the drawing and the next pack. Only such a row written in the instant between this
+        # check and the removal could be lost.
+        if written(aside) == before:
+            aside.unlink(missing_ok=True)
+    except OSError as e:  # a full disk
+        try:
+            new.unlink(missing_ok=True)
+        except OSError:  # A read-only file system refuses even to remove a file it does not hold.
+            pass
+        kept = ("no row was lost: those not packed wait in metrics.jsonl.packing, which the drawing reads and the "
+                "next --pack takes up") if aside.is_file() else "nothing was changed"
+        fail(f"--pack {folder}: cannot write metrics.jsonl.xz ({e.strerror or e}); {kept}")
+    return len(rows)
 
 
 def written(path):
@@ -447,7 +465,9 @@ def main(argv=None):
         for folder in args.runs:
             rows, size = pack(folder)
             over = f", over the budget of {RUN_BUDGET:,}: log less often" if size > RUN_BUDGET else ""
-            print(f"packed {folder}: {rows:,} rows, {size:,} bytes{over}")
+            left = [name for name in METRICS[1:] if (Path(folder) / name).is_file()]
+            more = f"; its run logged on meanwhile into {' and '.join(left)}: pack it again once the run has ended"
+            print(f"packed {folder}: {rows:,} rows, {size:,} bytes{over}{more if left else ''}")
         return None
     if args.speed:
         machine, bars = read_speed(args.speed)

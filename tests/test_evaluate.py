@@ -149,6 +149,15 @@ def test_foreign_files_and_bad_flags_are_refused(checkpoints, tmp_path, capsys):
     assert "--gif-every 0 must be at least 1" in refused([checkpoints["catch"], "--gif-every", 0], capsys)
 
 
+def test_more_envs_than_int32_seeds_allow_is_refused_by_name_before_the_checkpoint_is_read(tmp_path, capsys):
+    missing = tmp_path / "missing.npz"  # It is read after the flags, so a bad flag is the error.
+    assert refused([missing, "--num-envs", 3 * 10**9, "--episodes", 3 * 10**9], capsys) == (
+        "error: --num-envs 3,000,000,000 must be at most 2,147,483,647 (envpool seeds env i with --seed + i, an int32)")
+    assert refused([missing, "--num-envs", 2**31 - 1, "--episodes", 3 * 10**9, "--seed", 1], capsys) == (
+        "error: --seed 1 must be in 0..0")  # At the most envs there can be, only seed 0 is left.
+    assert "is not a readable checkpoint" in refused([missing, "--num-envs", 3 * 10**9, "--episodes", 5], capsys)
+
+
 def test_a_gif_that_cannot_be_written_is_refused_before_the_checkpoint_is_read(tmp_path, capsys):
     (tmp_path / "folder.gif").mkdir()
     (tmp_path / "file").touch()

@@ -4,9 +4,9 @@ the run folders kept in tests/figures/runs/ within their size budget."""
 import json
 import lzma
 import os
-import re
 import shlex
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -35,8 +35,8 @@ def write_run(root, env_id, exp_name, seed, rows, with_args=True, **flags):
     return folder
 
 
-def ended(folder):
-    """The folder of a run that ended an hour ago (--pack refuses one whose metrics.jsonl was just written)."""
+def quiet_for_an_hour(folder):
+    """The folder of a run whose last row is an hour old: one that has ended, or one that logs that seldom."""
     an_hour_ago = time.time() - 3600
     for path in folder.iterdir():
         os.utime(path, (an_hour_ago, an_hour_ago))
@@ -216,7 +216,7 @@ def test_a_packed_run_keeps_every_row_to_six_digits_and_draws_like_its_original(
     values = [np.pi * 10.0**k for k in range(-3, 2)]
     original = write_run(tmp_path / "a", "Pong-v5", "sebulba_impala", 1, rows(values, sps=[1234.56789] * 5))
     packed = write_run(tmp_path / "b", "Pong-v5", "sebulba_impala", 1, rows(values, sps=[1234.56789] * 5))
-    result = run(SCRIPT, ["--pack", ended(packed)], tmp_path, run_dir=False)
+    result = run(SCRIPT, ["--pack", packed], tmp_path, run_dir=False)
     assert result.returncode == 0 and f"packed {packed}: 5 rows, " in result.output
     assert sorted(p.name for p in packed.iterdir()) == ["args.json", "metrics.jsonl.xz"]
     kept = packed_rows(packed)
@@ -230,58 +230,141 @@ def test_a_packed_run_keeps_every_row_to_six_digits_and_draws_like_its_original(
 
 def test_pack_keeps_the_rows_packed_before_and_those_logged_since_in_order(tmp_path):
     folder = write_run(tmp_path, "Pong-v5", "sebulba_impala", 1, rows(range(100), steps=np.arange(1, 101)))
-    assert plot.pack(ended(folder))[0] == 100
+    assert plot.pack(folder)[0] == 100
     (folder / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n"  # the run logged on after the pack
                                                   for row in rows(range(100, 120), steps=np.arange(101, 121))))
     assert [row["global_step"] for row in plot.read_run(folder).rows] == list(range(1, 121))  # drawn alike
-    assert plot.pack(ended(folder))[0] == 120
+    assert plot.pack(folder)[0] == 120
     assert [row["global_step"] for row in packed_rows(folder)] == list(range(1, 121))
     assert [row[RETURN] for row in packed_rows(folder)] == list(range(120))
     assert sorted(p.name for p in folder.iterdir()) == ["args.json", "metrics.jsonl.xz"]
 
 
-def test_rows_left_in_both_files_by_a_stopped_pack_are_kept_once(tmp_path):
+def names(folder):
+    return sorted(path.name for path in folder.iterdir())
+
+
+def test_rows_a_stopped_pack_left_aside_are_drawn_and_packed_once_with_those_logged_since(tmp_path):
     folder = write_run(tmp_path, "Pong-v5", "sebulba_impala", 1, rows([np.pi] * 5))
     plain = (folder / "metrics.jsonl").read_text()
-    plot.pack(ended(folder))
-    (folder / "metrics.jsonl").write_text(plain)  # as if the pack had stopped before removing it
-    assert plot.pack(ended(folder))[0] == 5
-    assert [row[RETURN] for row in packed_rows(folder)] == [3.14159] * 5
+    os.replace(folder / "metrics.jsonl", folder / "metrics.jsonl.packing")  # A pack stopped right after its move.
+    assert [row["global_step"] for row in plot.read_run(folder).rows] == list(STEPS.astype(int))
+    plot.pack(folder)
+    (folder / "metrics.jsonl.packing").write_text(plain)  # A pack stopped after packing, before removing the file.
+    # The run logged on since.
+    (folder / "metrics.jsonl").write_text(json.dumps({"global_step": 600, RETURN: 6.0}) + "\n")
+    assert [row["global_step"] for row in plot.read_run(folder).rows] == [*STEPS.astype(int), 600]
+    assert plot.pack(folder)[0] == 6
+    assert [row[RETURN] for row in packed_rows(folder)] == [3.14159] * 5 + [6.0]
+    assert names(folder) == ["args.json", "metrics.jsonl.xz"]
 
 
-def test_pack_refuses_a_run_still_logging_and_changes_nothing(tmp_path, monkeypatch, capsys):
-    folder = write_run(tmp_path, "Pong-v5", "sebulba_impala", 1, rows(seed_returns(1)))  # a row just written
-    result = run(SCRIPT, ["--pack", folder], tmp_path, run_dir=False)
-    assert re.search(r"its metrics.jsonl was written \d s ago, so its run may still be logging", error_line(result))
-    assert sorted(p.name for p in folder.iterdir()) == ["args.json", "metrics.jsonl"]
-    # A row logged while the rows are compressed: refused, nothing changed, every row still there.
-    compress = plot.lzma.compress
+@pytest.mark.parametrize("when", ["compress", "replace", "in flight"])
+def test_a_row_a_run_logs_while_it_is_packed_is_never_lost(tmp_path, monkeypatch, capsys, when):
+    """A run still going, that logs seldom (its last row an hour old), logs while it is packed: as the rows are
+    compressed, at each file moved into place (the last moment before the old --pack removed metrics.jsonl), or
+    (in flight) through metrics.jsonl opened just before it was moved aside and written after it was read."""
+    folder = quiet_for_an_hour(write_run(tmp_path, "Pong-v5", "sebulba_impala", 1, rows(seed_returns(1))))
+    logged, opened = [], []
+    replace, compress = plot.os.replace, plot.lzma.compress
 
-    def logging_meanwhile(data, **kwargs):
-        with open(folder / "metrics.jsonl", "a") as f:
-            f.write(json.dumps({"global_step": 600, RETURN: 6.0}) + "\n")
+    def log(f=None):  # As the scripts' log() does: open metrics.jsonl, append one row, close it.
+        logged.append(600 + 100 * len(logged))
+        with f or open(folder / "metrics.jsonl", "a") as f:
+            f.write(json.dumps({"global_step": logged[-1], RETURN: 6.0}) + "\n")
+
+    def replacing(source, target):
+        if when == "in flight" and Path(source).name == "metrics.jsonl":
+            opened.append(open(source, "a"))
+        replace(source, target)
+        if when == "replace":
+            log()
+
+    def compressing(data, **kwargs):
+        if when in ("compress", "in flight"):
+            log(opened.pop() if opened else None)
         return compress(data, **kwargs)
 
-    monkeypatch.setattr(plot.lzma, "compress", logging_meanwhile)
-    with pytest.raises(SystemExit) as stop:
-        plot.main(["--pack", str(ended(folder))])
-    assert stop.value.code == 2
-    assert "its run wrote metrics.jsonl while it was being packed" in capsys.readouterr().err
-    assert sorted(p.name for p in folder.iterdir()) == ["args.json", "metrics.jsonl"]
-    assert len(plot.read_run(folder).rows) == 6
+    monkeypatch.setattr(plot.os, "replace", replacing)
+    monkeypatch.setattr(plot.lzma, "compress", compressing)
+    plot.main(["--pack", str(folder)])
+    monkeypatch.undo()
+    assert logged and [row["global_step"] for row in plot.read_run(folder).rows] == [*STEPS.astype(int), *logged]
+    left = "metrics.jsonl.packing" if when == "in flight" else "metrics.jsonl"
+    assert f"; its run logged on meanwhile into {left}: pack it again once the run has ended" in capsys.readouterr().out
+    assert plot.pack(folder)[0] == 5 + len(logged)
+    assert [row["global_step"] for row in packed_rows(folder)] == [*STEPS.astype(int), *logged]
+    assert names(folder) == ["args.json", "metrics.jsonl.xz"]
 
 
-def test_a_pack_that_cannot_be_written_changes_nothing(tmp_path):
+LOGGER = """import json, sys, time
+for step in range(1, int(sys.argv[2]) + 1):
+    with open(sys.argv[1], "a") as f:
+        f.write(json.dumps({"global_step": step}) + "\\n")
+    time.sleep(0.0005)
+"""
+
+
+def test_packing_a_run_again_and_again_as_it_logs_keeps_every_row_in_order(tmp_path):
+    """A real logger, appending a row every half millisecond as the scripts' log() does, races packs of its folder
+    one after another: every row ends up packed, in order."""
+    folder = write_run(tmp_path, "Pong-v5", "sebulba_impala", 1, [])
+    logger = subprocess.Popen([sys.executable, "-c", LOGGER, str(folder / "metrics.jsonl"), "2000"])
+    packs = 0
+    while logger.poll() is None:
+        plot.pack(folder)
+        packs += 1
+    assert logger.returncode == 0
+    plot.pack(folder)
+    assert packs >= 3, "the logger ended before the packs could race it"
+    assert [row["global_step"] for row in packed_rows(folder)] == list(range(1, 2001))
+    assert names(folder) == ["args.json", "metrics.jsonl.xz"]
+
+
+def test_a_pack_that_cannot_be_written_loses_no_row_and_the_next_one_finishes_it(tmp_path):
     folder = write_run(tmp_path, "Pong-v5", "sebulba_impala", 1, rows(range(100), steps=np.arange(1, 101)))
-    plot.pack(ended(folder))
+    plot.pack(folder)
     more = rows(np.random.default_rng(0).random(3000), steps=np.arange(101, 3101))  # noise: xz shrinks it little
     (folder / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in more))
-    before = {path.name: path.read_bytes() for path in ended(folder).iterdir()}
+    before = plot.read_run(folder).rows
     result = run_small_disk(["--pack", folder], tmp_path, kib=4)  # the new file takes about 14 KB
     assert result.returncode == 2 and result.stdout == ""
-    assert result.stderr == (f"error: --pack {folder}: cannot write metrics.jsonl.xz (File too large); nothing was "
-                             "changed\n")
-    assert {path.name: path.read_bytes() for path in folder.iterdir()} == before
+    assert result.stderr == (f"error: --pack {folder}: cannot write metrics.jsonl.xz (File too large); no row was "
+                             "lost: those not packed wait in metrics.jsonl.packing, which the drawing reads and the "
+                             "next --pack takes up\n")
+    assert names(folder) == ["args.json", "metrics.jsonl.packing", "metrics.jsonl.xz"]
+    assert plot.read_run(folder).rows == before
+    assert plot.pack(folder)[0] == 3100
+    assert names(folder) == ["args.json", "metrics.jsonl.xz"]
+
+
+def run_read_only(argv, folder, tmp_path):
+    """plot.py with `folder` bind-mounted read-only in a mount namespace of its own (root writes past chmod, not past
+    a read-only mount; the mount ends with the process). Skips the test where unshare or mount is not allowed."""
+    mount = f"mount --bind {shlex.quote(str(folder))} {shlex.quote(str(folder))} && " \
+            f"mount -o remount,ro,bind {shlex.quote(str(folder))}"
+    try:
+        probe = subprocess.run(["unshare", "-rm", "bash", "-c", f"{mount} && ! touch {shlex.quote(str(folder))}/w"],
+                               capture_output=True, text=True, timeout=60)
+    except FileNotFoundError:
+        probe = None
+    if probe is None or probe.returncode != 0:
+        pytest.skip(f"no read-only bind mount here ({probe.stderr.strip() if probe else 'no unshare'})")
+    line = f"{mount} && exec {shlex.join(command(SCRIPT, argv))}"
+    return subprocess.run(["unshare", "-rm", "bash", "-c", line], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_a_pack_in_a_read_only_folder_is_one_error_line_and_changes_nothing(tmp_path):
+    folder = write_run(tmp_path, "Pong-v5", "sebulba_impala", 1, rows(seed_returns(1)))
+    for cannot in ("move metrics.jsonl aside to pack it", "write metrics.jsonl.xz"):  # a plain folder, a packed one
+        before = {path.name: path.read_bytes() for path in folder.iterdir()}
+        result = run_read_only(["--pack", folder], folder, tmp_path)
+        assert result.returncode == 2 and result.stdout == ""
+        assert result.stderr == (f"error: --pack {folder}: cannot {cannot} (Read-only file system); nothing was "
+                                 "changed\n")
+        assert {path.name: path.read_bytes() for path in folder.iterdir()} == before
+        plot.pack(folder)
 
 
 def test_a_last_line_cut_off_by_a_kill_is_left_out_with_a_note(tmp_path, capsys):
