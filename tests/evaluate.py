@@ -160,10 +160,10 @@ def state_template(script, module, args):
     args = dataclasses.replace(args, resume=None)  # the file it was resumed from need not exist any more
     one_device = Mesh(np.array(jax.devices()[:1]), ("devices",))
     if script == "anakin_catch.py":
-        return args, module.initial_state(args, one_device, 1)[0]
+        return args, module.initial_state(args, one_device, 1, 1)[0]  # one env, and one update to go
     if script == "anakin_ppo.py":
         args = module.check_args(args)
-        return args, module.initial_state(args, module.ENVS[args.env_id], one_device, 1)[0]
+        return args, module.initial_state(args, module.ENVS[args.env_id], one_device, 1, 1)[0]
     args, env = module.check_args(args)
     return args, jax.eval_shape(partial(module.init_state, jax.random.PRNGKey(args.seed), args, env, 1))
 
