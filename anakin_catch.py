@@ -14,10 +14,10 @@ Catch is written in JAX, so acting and learning compile into one XLA program:
                              Adam step                         Adam step
     log, checkpoint <---   metrics (psum)
 
-Reading order: `step`, `q_lambda_loss`, `lane_loss` (the paper's minimal unit), `update` (vmap, pmean),
-`make_train` (fori_loop, shard_map), `main`.
+Reading order, the file's own: `step`, `q_lambda_loss`, `lane_loss` (the paper's minimal unit),
+`update` (vmap, pmean), `make_train` (fori_loop, shard_map), then the run: `initial_state`, `main`.
 
-    python anakin_catch.py                                   # ~1 min on 2 CPU cores
+    python anakin_catch.py  # ~1 min on 2 CPU cores
     python anakin_catch.py --num-envs-per-device 1024 --total-timesteps 20_000_000
 """
 
@@ -48,27 +48,27 @@ from tensorboardX import SummaryWriter
 class Args:
     env_id: str = "Catch"  # the only env here
     seed: int = 1
-    total_timesteps: int = 16_000_000  # env steps, all hosts
+    total_timesteps: int = 16_000_000  # env steps over all envs, devices and hosts
     learning_rate: float = 1e-4  # Adam step size
     num_envs_per_device: int = 128  # env lanes per device
     num_devices: int | None = None  # per host (default: all)
     num_steps: int = 16  # rollout length
     gamma: float = 1.0  # discount
     q_lambda: float = 0.99  # Q(lambda)'s lambda
-    epsilon: float = 0.01  # probability of a random action (colab: 0)
-    log_every: int = 10  # updates per compiled call and log line
+    epsilon: float = 0.01  # probability of a random action (the colab's: 0)
+    log_every: int = 10  # updates per compiled call and per log line
     checkpoint_every: int = 100  # updates between checkpoints
-    # The plumbing section's:
+    # The plumbing section at the end of the file reads the flags below.
     exp_name: str = Path(__file__).stem  # in the run folder's name
     run_dir: str = "runs"  # parent folder of run folders
     resume: str | None = None  # a checkpoint.npz to continue
     distributed: bool = False  # call jax.distributed.initialize() (multi-host)
     coordinator_address: str | None = None  # host:port of process 0 (multi-host)
-    num_processes: int | None = None
+    num_processes: int | None = None  # processes in all (multi-host)
     process_id: int | None = None  # this process's index
 
 
-# ---- The environment: Catch (bsuite, Osband et al. 2020) -----------------------------------
+# ---- The environment: Catch (bsuite, Osband et al. 2020)
 
 ROWS, COLS = 10, 5
 NUM_ACTIONS = 3  # left, stay, right
@@ -97,11 +97,13 @@ def step(env, action, key):
     done = ball_y == ROWS - 1
     reward = jnp.where(done, jnp.where(paddle_x == env.ball_x, 1.0, -1.0), 0.0)
     moved = env._replace(ball_y=ball_y, paddle_x=paddle_x)
+    # Compiled code cannot branch on `done`, known only on the device, so each step draws the next
+    # episode's start and `jnp.where` keeps it, field by field (`jax.tree.map`), where one ended.
     env = jax.tree.map(lambda new, old: jnp.where(done, new, old), reset(key), moved)
     return env, reward, done
 
 
-# ---- The network: the colab's MLP ---------------------------------------------------------
+# ---- The network: the colab's MLP
 
 def linear(key, n_in, n_out):
     """Haiku's `hk.Linear` init: normal truncated at 2 std, std 1/sqrt(n_in)."""
@@ -121,10 +123,12 @@ def apply(params, obs):
     return x @ params["out"]["w"] + params["out"]["b"]
 
 
-# ---- The loss: Q(lambda), bootstrapping with max_a Q ---------------------------------------
+# ---- The loss: Q(lambda), bootstrapping with max_a Q
 
 def lambda_returns(rewards, discounts, next_values, lam):
-    """G_t = r_t + d_t ((1 - lam) v_t+1 + lam G_t+1), G_T = v_T; [T] each."""
+    """G_t = r_t + d_t ((1 - lam) v_t+1 + lam G_t+1), from G_T = v_T backwards; all [T].
+    `jax.lax.scan` is a compiled for-loop: it calls `backward` on each row of the inputs, last row
+    first (`reverse=True`), passes the carry on and stacks the outputs."""
     def backward(g_next, x):
         r, d, v = x
         g = r + d * ((1 - lam) * v + lam * g_next)
@@ -135,39 +139,40 @@ def lambda_returns(rewards, discounts, next_values, lam):
 
 
 def q_lambda_loss(q, q_last, actions, rewards, dones, gamma, lam):
-    """q: [T, A], q_last: [A], the rest [T]. An episode end's zero discount masks the next row of `q`."""
+    """q: [T, A], q_last: [A] (after the rollout), the rest [T]. Where step t ends an episode, its
+    discount is 0, so row t + 1 of `q` (the next episode's first state) is not in t's target."""
     next_values = jnp.max(jnp.concatenate([q[1:], q_last[None]]), axis=-1)
     targets = lambda_returns(rewards, gamma * (1.0 - dones), next_values, lam)
     q_taken = jnp.take_along_axis(q, actions[:, None], axis=-1)[:, 0]
     return jnp.mean((jax.lax.stop_gradient(targets) - q_taken) ** 2)
 
 
-# ---- Acting and learning on one device ----------------------------------------------------
+# ---- Acting and learning on one device
 
 class Lane(NamedTuple):
     env: Catch
-    key: jax.Array  # per lane: results do not depend on the device layout
+    key: jax.Array  # one per lane, so no result depends on the device layout
     ep_return: jax.Array  # so far
     ep_length: jax.Array
 
 
-class Trajectory(NamedTuple):  # one lane's rollout, [T]
-    q: jax.Array  # [T, NUM_ACTIONS], differentiated
+class Trajectory(NamedTuple):  # one lane's rollout: [T], a row per step
+    q: jax.Array  # [T, NUM_ACTIONS]: acted on, and differentiated by the loss
     action: jax.Array
     reward: jax.Array
     done: jax.Array
-    ended_return: jax.Array  # if done, else 0
+    ended_return: jax.Array  # the return of an episode ending here, else 0
     ended_length: jax.Array
 
 
 class TrainState(NamedTuple):
     params: dict
     opt_state: optax.OptState
-    lanes: Lane  # [envs, ...]
+    lanes: Lane  # each leaf [envs, ...]
 
 
 class Stats(NamedTuple):  # sums over lanes and updates
-    td_loss: jax.Array  # of lane means
+    td_loss: jax.Array  # a sum of lane means
     q_values: jax.Array
     return_sum: jax.Array
     length_sum: jax.Array
@@ -181,6 +186,8 @@ def make_optimizer(args):
 def init_state(key, args, num_envs):
     k_params, k_lanes = jax.random.split(key)
     params = init_params(k_params)
+    # JAX draws from explicit keys, split into new ones, never reused. Here one per env, split in
+    # two by `jax.vmap` (which maps `split` over the envs): one starts the env, one is the lane's.
     keys = jax.vmap(jax.random.split)(jax.random.split(k_lanes, num_envs))  # [envs, 2, 2]
     zeros = jnp.zeros(num_envs)
     lanes = Lane(env=jax.vmap(reset)(keys[:, 0]), key=keys[:, 1], ep_return=zeros, ep_length=zeros.astype(jnp.int32))
@@ -188,7 +195,8 @@ def init_state(key, args, num_envs):
 
 
 def rollout(params, lane, args):
-    """Also returns Q at the last state."""
+    """One lane acts epsilon-greedily for `num_steps` steps (`lax.scan` carries the lane from step
+    to step), then gives Q at the state it ends in, to bootstrap from."""
     def act_and_step(lane, _):
         key, k_explore, k_random, k_reset = jax.random.split(lane.key, 4)
         q = apply(params, observe(lane.env))
@@ -218,29 +226,22 @@ def update(state, args):
     """One update on one device. The paper vmaps the whole update over lanes; the lanes' mean loss has the
     same gradient, without per-lane copies of params and Adam state."""
     def device_loss(params):
+        # vmap runs `lane_loss` on every lane of this device at once (params and args shared: None;
+        # lanes split on their first axis: 0). Devices hold equal lane counts, so `pmean` of their
+        # gradients below is the gradient of the mean over all lanes of all hosts.
         losses, aux = jax.vmap(lane_loss, (None, 0, None))(params, state.lanes, args)
         return losses.mean(), aux
 
     (_, (lanes, stats)), grads = jax.value_and_grad(device_loss, has_aux=True)(state.params)
-    grads = jax.lax.pmean(grads, "devices")  # across devices and hosts
-    updates, opt_state = make_optimizer(args).update(grads, state.opt_state)
-    params = optax.apply_updates(state.params, updates)
+    # "devices" names the mesh axis of all hosts' devices, which `make_train` sets up below.
+    grads = jax.lax.pmean(grads, "devices")
+    deltas, opt_state = make_optimizer(args).update(grads, state.opt_state)
+    params = optax.apply_updates(state.params, deltas)
     stats = jax.tree.map(lambda x: jax.lax.psum(x.sum(), "devices"), stats)  # over lanes and devices
     return TrainState(params=params, opt_state=opt_state, lanes=lanes), stats
 
 
-def metrics_row(stats, lane_updates, args):
-    """Means of Stats summed over `lane_updates` (updates x lanes)."""
-    stats = jax.tree.map(float, stats)
-    row = {"charts/learning_rate": args.learning_rate,
-           "losses/td_loss": stats.td_loss / lane_updates, "losses/q_values": stats.q_values / lane_updates}
-    if stats.episodes > 0:
-        row["charts/episodic_return"] = stats.return_sum / stats.episodes
-        row["charts/episodic_length"] = stats.length_sum / stats.episodes
-    return row
-
-
-# ---- The device mapping: shard_map over devices -------------------------------------------
+# ---- The device mapping: shard_map over devices
 
 STATE_SPECS = TrainState(params=P(), opt_state=P(), lanes=P("devices"))  # params replicated, lanes split
 
@@ -254,45 +255,57 @@ def make_train(args, mesh):
             return state, jax.tree.map(jnp.add, total, stats)
 
         zeros = Stats(**{name: jnp.float32(0) for name in Stats._fields})
-        return jax.lax.fori_loop(0, n, one_update, (state, zeros))
+        return jax.lax.fori_loop(0, n, one_update, (state, zeros))  # a compiled for-loop
 
-    # With check_vma=True, JAX tracks which values vary across devices, and the gradient of the replicated
-    # (P()) params comes out already summed over devices: `update`'s pmean would then be wrong. Off, each
-    # device keeps its own gradient and `update` averages them, as the paper's pmap code does.
+    # shard_map runs `train` on each device with its share: P("devices") splits an array's first
+    # axis over the mesh axis "devices", P() gives each device all of it. With check_vma=True, JAX
+    # would track which values vary across devices and return the replicated params' gradient
+    # already summed, making `update`'s pmean wrong; off, each device keeps its own gradient for
+    # that pmean, as in the paper's pmap code.
     sharded = jax.shard_map(train, mesh=mesh, in_specs=(STATE_SPECS, P()), out_specs=(STATE_SPECS, P()),
                             check_vma=False)
-    return jax.jit(sharded, donate_argnums=0)
+    return jax.jit(sharded, donate_argnums=0)  # the new state takes the old one's memory
 
 
 def pick_devices(args):
-    """The first --num-devices of every host, on one mesh axis."""
+    """The first --num-devices of every host, on one mesh axis, "devices"."""
     local = jax.local_devices()
-    n = len(local) if args.num_devices is None else args.num_devices
-    if not 1 <= n <= len(local):
-        fail(f"--num-devices {n} is not possible: this host has {len(local)} device(s)")
+    per_host = len(local) if args.num_devices is None else args.num_devices
+    if not 1 <= per_host <= len(local):
+        fail(f"--num-devices {per_host} is not possible: this host has {len(local)} device(s)")
     hosts = [[d for d in jax.devices() if d.process_index == p] for p in range(jax.process_count())]
-    return Mesh(np.array([d for host in hosts for d in host[:n]]), ("devices",))
+    return Mesh(np.array([d for host in hosts for d in host[:per_host]]), ("devices",))
 
 
-def initial_state(args, mesh, num_envs, num_updates):
+# ---- The run: its state and log, then main
+
+def initial_state(args, mesh, num_envs):
     """The TrainState on the mesh, fresh or resumed, and its updates done."""
     shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), STATE_SPECS)
     init = jax.jit(partial(init_state, jax.random.PRNGKey(args.seed), args, num_envs), out_shardings=shardings)
     if not args.resume:
         return init(), 0
+    # `eval_shape` gives init's shapes without running it: the template the checkpoint must match.
     ckpt = load(args, {"state": jax.eval_shape(init), "update": np.int64(0), "global_step": np.int64(0)})
-    if ckpt["update"] >= num_updates:
-        fail(f"--resume {args.resume}: its run has done all {num_updates} updates (raise --total-timesteps)")
     return jax.device_put(ckpt["state"], shardings), int(ckpt["update"])
 
 
 def checkpoint(state, updates_done, steps_per_update):
-    """All processes take part: each holds only its devices' lanes."""
+    """Every process calls this: each holds only its devices' lanes; the allgather joins them."""
     return {"state": multihost_utils.process_allgather(state, tiled=True), "update": np.int64(updates_done),
             "global_step": np.int64(updates_done * steps_per_update)}
 
 
-# ---- The run ------------------------------------------------------------------------------
+def metrics_row(stats, lane_updates, args):
+    """Means of Stats summed over `lane_updates` (updates x lanes)."""
+    stats = jax.tree.map(float, stats)
+    row = {"charts/learning_rate": args.learning_rate,
+           "losses/td_loss": stats.td_loss / lane_updates, "losses/q_values": stats.q_values / lane_updates}
+    if stats.episodes > 0:
+        row["charts/episodic_return"] = stats.return_sum / stats.episodes
+        row["charts/episodic_length"] = stats.length_sum / stats.episodes
+    return row
+
 
 def main(args: Args) -> dict:
     start(args)
@@ -305,14 +318,16 @@ def main(args: Args) -> dict:
         fail(f"--total-timesteps {args.total_timesteps:,} is less than one update: {steps_per_update:,} steps "
              f"(--num-steps {args.num_steps} x {args.num_envs_per_device} envs x {mesh.size} devices)")
     num_updates = args.total_timesteps // steps_per_update
-    state, updates_done = initial_state(args, mesh, num_envs, num_updates)
+    state, updates_done = initial_state(args, mesh, num_envs)
+    if updates_done >= num_updates:
+        fail(f"--resume {args.resume}: its run has done all {num_updates} updates (raise --total-timesteps)")
     train = make_train(args, mesh).lower(state, np.int32(0)).compile()  # before the clock starts
     run, row = open_run(args, updates_done, num_updates), {}
     while updates_done < num_updates:
         n = min(args.log_every, num_updates - updates_done)
         tic = time.time()
-        state, stats = train(state, np.int32(n))
-        stats = jax.device_get(stats)  # waits for the call
+        state, stats = train(state, np.int32(n))  # returns before the device is done
+        stats = jax.device_get(stats)  # so this waits for it
         updates_done += n
         row = {"global_step": updates_done * steps_per_update, "update": updates_done,
                "charts/SPS": n * steps_per_update / (time.time() - tic), **metrics_row(stats, n * num_envs, args)}
