@@ -160,7 +160,7 @@ def state_template(script, module, args):
     args = dataclasses.replace(args, resume=None)  # the file it was resumed from need not exist any more
     one_device = Mesh(np.array(jax.devices()[:1]), ("devices",))
     if script == "anakin_catch.py":
-        return args, module.initial_state(args, one_device, 1, 1)[0]  # one env, and one update to go
+        return args, module.initial_state(args, one_device, 1)[0]
     if script == "anakin_ppo.py":
         args = module.check_args(args)
         return args, module.initial_state(args, module.ENVS[args.env_id], one_device, 1, 1)[0]
