@@ -14,7 +14,7 @@ Catch is written in JAX, so acting and learning compile into one XLA program:
                              Adam step                         Adam step
     log, checkpoint <---   metrics (psum)
 
-Reading order, the file's own: `step`, `q_lambda_loss`, `lane_loss` (the paper's minimal unit),
+Reading order: `step`, `q_lambda_loss`, `lane_loss` (the paper's minimal unit),
 `update` (vmap, pmean), `make_train` (fori_loop, shard_map), then the run: `initial_state`, `main`.
 
     python anakin_catch.py  # ~1 min on 2 CPU cores
@@ -61,7 +61,7 @@ class Args:
     # The plumbing section at the end of the file reads the flags below.
     exp_name: str = Path(__file__).stem  # in the run folder's name
     run_dir: str = "runs"  # parent folder of run folders
-    resume: str | None = None  # a checkpoint.npz to continue
+    resume: str | None = None  # a checkpoint.npz
     distributed: bool = False  # call jax.distributed.initialize() (multi-host)
     coordinator_address: str | None = None  # host:port of process 0 (multi-host)
     num_processes: int | None = None  # processes in all (multi-host)
@@ -171,7 +171,7 @@ class TrainState(NamedTuple):
     lanes: Lane  # each leaf [envs, ...]
 
 
-class Stats(NamedTuple):  # sums over lanes and updates
+class Stats(NamedTuple):  # sums over lanes, devices and updates
     td_loss: jax.Array  # a sum of lane means
     q_values: jax.Array
     return_sum: jax.Array
@@ -233,7 +233,7 @@ def update(state, args):
         return losses.mean(), aux
 
     (_, (lanes, stats)), grads = jax.value_and_grad(device_loss, has_aux=True)(state.params)
-    # "devices" names the mesh axis of all hosts' devices, which `make_train` sets up below.
+    # "devices": the mesh axis of all hosts' devices (made in `pick_devices`, bound by `shard_map`).
     grads = jax.lax.pmean(grads, "devices")
     deltas, opt_state = make_optimizer(args).update(grads, state.opt_state)
     params = optax.apply_updates(state.params, deltas)
@@ -258,10 +258,10 @@ def make_train(args, mesh):
         return jax.lax.fori_loop(0, n, one_update, (state, zeros))  # a compiled for-loop
 
     # shard_map runs `train` on each device with its share: P("devices") splits an array's first
-    # axis over the mesh axis "devices", P() gives each device all of it. With check_vma=True, JAX
-    # would track which values vary across devices and return the replicated params' gradient
-    # already summed, making `update`'s pmean wrong; off, each device keeps its own gradient for
-    # that pmean, as in the paper's pmap code.
+    # axis over the mesh axis "devices", P() gives each device all of it. Each device computes its
+    # lanes' gradient and `update`'s pmean averages them. With check_vma=True, JAX would see that
+    # params are the same everywhere and sum their gradient itself: the pmean would return N times
+    # the mean. Off, it works as the colab's pmap does.
     sharded = jax.shard_map(train, mesh=mesh, in_specs=(STATE_SPECS, P()), out_specs=(STATE_SPECS, P()),
                             check_vma=False)
     return jax.jit(sharded, donate_argnums=0)  # the new state takes the old one's memory
