@@ -240,26 +240,6 @@ def test_sampling_follows_the_policy():
     np.testing.assert_allclose([actions.mean(), actions.std()], [1.5, 0.5], atol=0.005)
 
 
-def test_minibatch_shuffles_are_uniform_permutations():
-    n, num = 300, 20_000  # n not a power of two: the index takes 9 low bits of each key
-    perms = np.asarray(ppo.permutations(jax.random.PRNGKey(0), num, n))
-    assert (np.sort(perms, axis=1) == np.arange(n)).all()  # every row is a permutation
-    # Where index 0 and index n-1 land is uniform: each of 10 position bins gets ~1/10 of the rows.
-    for index in (0, n - 1):
-        position = np.argmax(perms == index, axis=1)
-        np.testing.assert_allclose(np.bincount(position * 10 // n, minlength=10) / num, 0.1, atol=0.01)
-
-
-def test_minibatches_of_a_2_20_row_shuffle_mix_time_as_numpys_shuffle_does():
-    # Rows are in time order; tied sort keys would keep runs of rows together and make
-    # minibatches slices of time, their mean row index spread wide.
-    n, size = 2**20, 128  # 8192 minibatches
-    perm = np.asarray(ppo.permutations(jax.random.PRNGKey(0), 1, n))[0]
-    assert (np.sort(perm) == np.arange(n)).all()
-    spread = [(p.reshape(-1, size).mean(axis=1) / n).std() for p in (perm, np.random.default_rng(0).permutation(n))]
-    np.testing.assert_allclose(spread[0], spread[1], rtol=0.05)  # each ~0.026, within ~1% (8192 samples)
-
-
 SAME_MINIBATCH = f'''
 import sys
 import numpy as np
