@@ -261,6 +261,7 @@ def bench_ppo_atari(baseline=None, rounds=1):
 
 def ppo_worker(envs, seeds, updates, baseline=None):
     import importlib.util
+    import inspect
 
     import jax
     import jax.numpy as jnp
@@ -278,13 +279,13 @@ def ppo_worker(envs, seeds, updates, baseline=None):
         def one(_, s):
             key, k_act, k_reset = jax.random.split(s.key, 3)
             env_state, obs, traj = ppo.rollout(s.params, s.env_state, s.obs, k_act, k_reset, args, env)
-            used = (traj.obs.sum() + traj.action.sum() + traj.old_log_prob.sum() + traj.step.final_obs.sum()
-                    + traj.step.reward.sum())
+            used = (traj.obs.sum() + traj.action.sum() + traj.old_log_prob.sum() + traj.outcome.final_obs.sum()
+                    + traj.outcome.reward.sum())
             return s._replace(env_state=env_state, obs=obs, key=jax.random.fold_in(key, used.astype(jnp.int32)))
         return jax.lax.fori_loop(0, n, one, state)
 
     start = time.perf_counter()  # compile time as a user meets it: the init's and the training call's
-    state, _ = ppo.initial_state(args, env, mesh, envs * mesh.size, updates)
+    state, _ = ppo.initial_state(args, env, mesh, envs * mesh.size)
     init = lambda: jax.tree.map(jnp.copy, state)  # a fresh copy: the calls donate their state
     train = ppo.make_train(args, env, mesh, updates).lower(init(), n).compile()
     compile_s = time.perf_counter() - start
@@ -294,7 +295,8 @@ def ppo_worker(envs, seeds, updates, baseline=None):
         old = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(old)
         old_args = old.check_args(old.Args(num_envs_per_device=envs, num_seeds=seeds))
-        old_state, _ = old.initial_state(old_args, old.ENVS[old_args.env_id], mesh, envs * mesh.size, updates)
+        budget = [updates] if "num_updates" in inspect.signature(old.initial_state).parameters else []  # e62a0d7
+        old_state, _ = old.initial_state(old_args, old.ENVS[old_args.env_id], mesh, envs * mesh.size, *budget)
         old_init = lambda: jax.tree.map(jnp.copy, old_state)  # noqa: E731
         old_train = old.make_train(old_args, old.ENVS[old_args.env_id], mesh, updates).lower(old_init(), n).compile()
         measures.append(lambda: timed(old_train, jax.block_until_ready(old_init()), n))
