@@ -22,7 +22,7 @@ Reading order:
 2. `gae`, `policy_loss`, `value_loss`, `ppo_loss`: the loss.
 3. `rollout`, `gradient_steps`, `update`: one agent's update on one device, the Anakin unit.
 4. `make_train`: `update` looped over updates, vmapped over seeds, shard_mapped over devices.
-5. `main`, the run; skip the plumbing after it.
+5. `initial_state`, `main`: the run; skip the plumbing after it.
 
     python anakin_ppo.py
     python anakin_ppo.py --env-id Pendulum-v1 --num-seeds 8
@@ -57,7 +57,7 @@ class Args:
     env_id: str = "CartPole-v1"  # CartPole-v1 (discrete) or Pendulum-v1 (continuous)
     seed: int = 1  # agent i of --num-seeds draws from (seed, i)
     num_seeds: int = 1  # independent agents, side by side (vmap)
-    # None: the env's own, from ENVS.
+    # A flag left at None takes its env's value, from ENVS.
     total_timesteps: int | None = None  # env steps of one agent (CartPole-v1 500_000, Pendulum-v1 1_000_000)
     learning_rate: float | None = None  # Adam step size (CartPole-v1 2.5e-4, Pendulum-v1 1e-3)
     anneal_lr: bool = True  # the step size falls linearly to zero
@@ -75,7 +75,7 @@ class Args:
     max_grad_norm: float = 0.5  # global-norm gradient clip
     log_every: int = 50  # updates per compiled call and log line
     checkpoint_every: int = 500  # updates between checkpoints
-    # The plumbing section's:
+    # These flags are for the plumbing section at the end of the file.
     exp_name: str = Path(__file__).stem  # in the run folder's name
     run_dir: str = "runs"  # parent folder of run folders
     resume: str | None = None  # a checkpoint.npz to continue
@@ -86,7 +86,8 @@ class Args:
 
 
 # ---- The environments: JAX copies of gymnasium 1.4's CartPole and Pendulum
-# Bring your own `Env`: `env_step` adds time limit, auto-reset and episode statistics.
+# Bring your own env as an `Env`: `env_step` adds the time limit, auto-reset and episode statistics.
+# JAX has no global random state: each draw takes a key, and jax.random.split makes new keys.
 
 class Env(NamedTuple):
     reset: Callable  # key -> state, any pytree of arrays
@@ -96,7 +97,7 @@ class Env(NamedTuple):
     action_size: int  # actions, or the action's dimension if continuous
     continuous: bool  # Gaussian policy, else categorical
     max_steps: int  # then the episode is truncated, not terminated
-    defaults: dict  # of the flags left at None
+    defaults: dict  # values of the flags left at None
 
 
 # CartPole (Barto et al. 1983), gymnasium's constants and Euler steps.
@@ -145,7 +146,7 @@ def pendulum_observe(state):
     return jnp.stack([jnp.cos(state[0]), jnp.sin(state[0]), state[1]])
 
 
-# CartPole's defaults are CleanRL's; Pendulum's rl-zoo's (gamma 0.95: a swing-up takes ~100 steps).
+# CartPole's defaults are CleanRL's, Pendulum's rl-zoo's (gamma 0.95 fits a swing-up of ~100 steps).
 ENVS = {
     "CartPole-v1": Env(
         reset=cartpole_reset, step=cartpole_step, observe=lambda state: state, obs_size=4, action_size=2,
@@ -166,7 +167,7 @@ class EnvState(NamedTuple):
     ep_return: jax.Array  # of the episode so far
 
 
-class Step(NamedTuple):
+class Outcome(NamedTuple):  # of one env step
     obs: jax.Array  # what the agent sees next: a new episode's if this one ended
     final_obs: jax.Array  # before any reset, to bootstrap from
     reward: jax.Array
@@ -182,7 +183,7 @@ def env_reset(env, key):
 
 
 def env_step(env, env_state, action, fresh):
-    """Where the episode ends, go on from `fresh`, an `env_reset(env, key)`."""
+    """One step of one env; where the episode ends, it goes on from `fresh`, an `env_reset`."""
     inner, reward, terminated = env.step(env_state.inner, action)
     t, ep_return = env_state.t + 1, env_state.ep_return + reward
     truncated = t >= env.max_steps
@@ -190,17 +191,18 @@ def env_step(env, env_state, action, fresh):
     final_obs = env.observe(inner)
     fresh_state, first_obs = fresh
     going_on = EnvState(inner=inner, t=t, ep_return=ep_return)
+    # jax.tree.map applies the function leaf by leaf (array by array).
     env_state = jax.tree.map(lambda a, b: jnp.where(done, a, b), fresh_state, going_on)
-    step = Step(obs=jnp.where(done, first_obs, final_obs), final_obs=final_obs, reward=reward,
-                terminated=terminated, truncated=truncated, ep_return=jnp.where(done, ep_return, 0.0),
-                ep_length=jnp.where(done, t, 0))
-    return env_state, step
+    outcome = Outcome(obs=jnp.where(done, first_obs, final_obs), final_obs=final_obs, reward=reward,
+                      terminated=terminated, truncated=truncated,
+                      ep_return=jnp.where(done, ep_return, 0.0), ep_length=jnp.where(done, t, 0))
+    return env_state, outcome
 
 
 # ---- The network: actor and critic MLPs (64, 64, tanh), CleanRL's initialisation
 
 def init_mlp(rng, sizes, last_scale):
-    """Orthogonal weights, zero biases; NumPy's, as XLA takes seconds to compile a QR."""
+    """Orthogonal weights, zero biases. NumPy draws them, as XLA would take seconds to compile a QR."""
     params = {}
     for i, (n_in, n_out) in enumerate(zip(sizes[:-1], sizes[1:])):
         scale = last_scale if i == len(sizes) - 2 else math.sqrt(2)
@@ -227,7 +229,8 @@ def init_params(rng, env, hidden=64):
 
 
 def apply(params, obs):
-    """Logits or Gaussian mean [..., A], and value [...], of obs [..., O]."""
+    """Logits or Gaussian mean [..., A], and value [...], of obs [..., O]. XLA drops a network
+    whose output goes unused."""
     return mlp(params["actor"], obs), mlp(params["critic"], obs)[..., 0]
 
 
@@ -239,9 +242,9 @@ def draw_noise(env, key, shape):
 
 
 def sample(env, params, out, noise):
-    if env.continuous:  # unclipped: the env clips
+    if env.continuous:  # unclipped: the env clips it
         return out + jnp.exp(params["log_std"]) * noise
-    return jnp.argmax(out + noise, axis=-1)  # Gumbel-max: a draw from softmax(out)
+    return jnp.argmax(out + noise, axis=-1)  # the Gumbel-max trick: a draw from softmax(out)
 
 
 def log_prob(env, params, out, action):
@@ -262,8 +265,9 @@ def entropy(env, params, out):
 # ---- The loss: GAE (Schulman et al. 2016) and PPO's clipped objective (2017)
 
 def gae(rewards, values, next_values, terminated, done, gamma, lam):
-    """Advantages and value targets [T, B]. Only a termination zeroes the bootstrap (many JAX PPOs
-    zero it at a cut too); any end (`done`) stops the lambda-chain."""
+    """Advantages and value targets [T, B]. Only a termination zeroes the next value; a time-limit
+    cut bootstraps from it (many JAX PPOs zero it there too). Any episode end (`done`) stops the
+    lambda-weighted sum from running into the next episode."""
     deltas = rewards + gamma * next_values * (1.0 - terminated) - values
 
     def backward(adv_next, x):
@@ -271,6 +275,8 @@ def gae(rewards, values, next_values, terminated, done, gamma, lam):
         adv = delta + gamma * lam * (1.0 - d) * adv_next
         return adv, adv
 
+    # jax.lax.scan, a loop compiled once, calls `backward` on each row, last first, passing
+    # `adv_next` from call to call and stacking what each call returns.
     _, advantages = jax.lax.scan(backward, jnp.zeros_like(deltas[0]), (deltas, done), reverse=True)
     return advantages, advantages + values
 
@@ -313,23 +319,29 @@ class Losses(NamedTuple):
 
 
 def normalize(advantages):
-    """Over the minibatch's rows on all devices, so N devices run the algorithm of one. Under vmap,
-    a psum sums each seed's own."""
+    """Normalise over the minibatch's rows on all devices, so that N devices of E envs run the
+    algorithm of one device of N x E envs. This runs on each device, in `make_train`'s shard_map
+    over the mesh axis "devices": psum(x, "devices") sums x over the devices. Under the vmap over
+    seeds, each seed's psum sums its own x."""
     n = jax.lax.psum(jnp.float32(advantages.size), "devices")
     mean = jax.lax.psum(advantages.sum(), "devices") / n
     var = jax.lax.psum(((advantages - mean) ** 2).sum(), "devices") / n
     return (advantages - mean) / (jnp.sqrt(var) + 1e-8)
 
 
-def ppo_loss(params, batch, args, env):
-    out, values = apply(params, batch.obs)
-    adv = normalize(batch.advantage)
-    new_log_prob = log_prob(env, params, out, batch.action)
-    pg_loss, approx_kl, clipfrac = policy_loss(new_log_prob, batch.old_log_prob, adv, args.clip_coef)
-    v_loss = value_loss(values, batch.value, batch.target, args.clip_coef, args.clip_vloss)
+def ppo_loss(params, minibatch, args, env):
+    """Each term is a mean over this device's rows. All devices hold as many rows, so the pmean of
+    their gradients in `gradient_steps` is the gradient of the mean over all rows: a term added as a
+    local `.mean()` is right on any number of devices."""
+    out, values = apply(params, minibatch.obs)
+    adv = normalize(minibatch.advantage)
+    new_log_prob = log_prob(env, params, out, minibatch.action)
+    pg_loss, approx_kl, clipfrac = policy_loss(
+        new_log_prob, minibatch.old_log_prob, adv, args.clip_coef)
+    v_loss = value_loss(values, minibatch.value, minibatch.target, args.clip_coef, args.clip_vloss)
     ent = entropy(env, params, out).mean()
     loss = pg_loss - args.ent_coef * ent + args.vf_coef * v_loss
-    losses = Losses(policy_loss=pg_loss, value_loss=v_loss, entropy=ent, approx_kl=approx_kl, clipfrac=clipfrac)
+    losses = Losses(pg_loss, v_loss, ent, approx_kl, clipfrac)
     return loss, losses
 
 
@@ -340,89 +352,87 @@ class Trajectory(NamedTuple):
     obs: jax.Array  # what the agent saw when it acted
     action: jax.Array
     old_log_prob: jax.Array  # under the policy that acted
-    step: Step
+    outcome: Outcome
 
 
-class TrainState(NamedTuple):  # one agent's
+class TrainState(NamedTuple):
+    """One agent's state on one device."""
     params: dict
     opt_state: optax.OptState
     env_state: EnvState  # leaves [E, ...]
     obs: jax.Array  # [E, O]
-    key: jax.Array  # the same on every device, which folds in its index
+    key: jax.Array  # the same on every device, which folds in its own index
 
 
 class Stats(NamedTuple):
-    """Summed over a call's updates."""
-    losses: Losses  # means over minibatches and devices
-    return_sum: jax.Array  # on all devices
+    """Sums over one call's updates."""
+    losses: Losses  # each a mean over minibatches and devices
+    return_sum: jax.Array  # of the episodes ended on all devices
     length_sum: jax.Array
     episodes: jax.Array
 
 
-def learning_rate(args, num_updates, update_index):
+def learning_rate_at(args, num_updates, update_index):
     return args.learning_rate * (1.0 - update_index / num_updates if args.anneal_lr else 1.0)
 
 
 def make_optimizer(args, num_updates):
-    """Adam on the clipped gradient, flattened into one vector: a few kernels a step instead of a few
-    per array trained CartPole 1.4x faster."""
-    steps = args.update_epochs * args.num_minibatches  # in one update
-    adam = optax.adam(lambda count: learning_rate(args, num_updates, count // steps), eps=1e-5)
+    """Adam on the clipped gradient, flattened into one vector: a few XLA kernels a step instead of
+    a few per array, which trains CartPole 1.4x faster."""
+    minibatches_per_update = args.update_epochs * args.num_minibatches
+    # optax counts gradient steps; the learning rate changes once an update.
+    schedule = lambda count: learning_rate_at(args, num_updates, count // minibatches_per_update)
+    adam = optax.adam(schedule, eps=1e-5)
     return optax.flatten(optax.chain(optax.clip_by_global_norm(args.max_grad_norm), adam))
 
 
 def init_state(key, params, args, env, num_envs):
     k_envs, k_run = jax.random.split(key)
-    env_state, obs = jax.vmap(lambda k: env_reset(env, k))(jax.random.split(k_envs, num_envs))
-    opt_state = make_optimizer(args, num_updates=1).init(params)  # the schedule shapes nothing
+    # jax.vmap turns a function of one env into one of many: each array gains a leading axis, a row
+    # per env.
+    env_state, obs = jax.vmap(partial(env_reset, env))(jax.random.split(k_envs, num_envs))
+    # Adam's initial state (a step count, zero moments) is the same for any schedule.
+    opt_state = make_optimizer(args, num_updates=1).init(params)
     return TrainState(params=params, opt_state=opt_state, env_state=env_state, obs=obs, key=k_run)
 
 
 def rollout(params, env_state, obs, k_act, k_reset, args, env):
     num_envs = obs.shape[0]
-    # Each env and step draws a new episode, used where an episode ended: under vmap a branch would
-    # run both sides anyway.
+    # Every env draws a new episode each step, used where its episode ended: under vmap, a reset
+    # only where needed would run for every env anyway.
     noise = draw_noise(env, k_act, (args.num_steps, num_envs, env.action_size))
     resets = jax.random.split(k_reset, (args.num_steps, num_envs))
-    fresh = jax.vmap(jax.vmap(lambda k: env_reset(env, k)))(resets)
+    fresh = jax.vmap(jax.vmap(partial(env_reset, env)))(resets)
 
     def act_and_step(carry, x):
         env_state, obs = carry
         noise, fresh = x
-        out = mlp(params["actor"], obs)  # the critic runs once, after the rollout
+        out, _ = apply(params, obs)  # the values come in one pass after the rollout
         action = sample(env, params, out, noise)
-        env_state, step = jax.vmap(lambda s, a, f: env_step(env, s, a, f))(env_state, action, fresh)
+        env_state, outcome = jax.vmap(partial(env_step, env))(env_state, action, fresh)
         old_log_prob = log_prob(env, params, out, action)
-        return (env_state, step.obs), Trajectory(obs=obs, action=action, old_log_prob=old_log_prob, step=step)
+        traj = Trajectory(obs=obs, action=action, old_log_prob=old_log_prob, outcome=outcome)
+        return (env_state, outcome.obs), traj
 
     (env_state, obs), traj = jax.lax.scan(act_and_step, (env_state, obs), (noise, fresh))
     return env_state, obs, traj
 
 
-def permutations(key, num, n):
-    """`num` permutations of range(n), [num, n]: a sort by random keys, the row index in the last key's
-    low bits (ties rarer than 2^-33). jax.random.permutation took 1.7x as long (4 x 262,144 rows)."""
-    bits = max(1, (n - 1).bit_length())
-    words = 1 + -(-3 * bits // 32)  # 32 * words - bits >= 2 * bits + 32
-    keys = list(jax.random.bits(key, (words, num, n)))
-    keys[-1] = (keys[-1] << bits) | jnp.arange(n, dtype=jnp.uint32)
-    return (jax.lax.sort(keys, num_keys=words)[-1] & ((1 << bits) - 1)).astype(jnp.int32)
-
-
 def gradient_steps(params, opt_state, batch, key, optimizer, args, env):
-    """Epochs of shuffled minibatches, a step each on all devices' mean gradient."""
-    def sgd_step(carry, minibatch):
+    """Epochs of shuffled minibatches, a gradient step each on the mean gradient of all devices."""
+    def gradient_step(carry, minibatch):
         params, opt_state = carry
         grads, losses = jax.grad(ppo_loss, has_aux=True)(params, minibatch, args, env)
-        grads = jax.lax.pmean(grads, "devices")
-        updates, opt_state = optimizer.update(grads, opt_state)
-        return (optax.apply_updates(params, updates), opt_state), losses
+        grads = jax.lax.pmean(grads, "devices")  # the mean over devices, the same on each
+        changes, opt_state = optimizer.update(grads, opt_state)
+        return (optax.apply_updates(params, changes), opt_state), losses
 
-    n = len(batch.obs)
-    order = permutations(key, args.update_epochs, n).reshape(-1)  # epoch after epoch
-    size = n // args.num_minibatches
+    rows = len(batch.obs)
+    keys = jax.random.split(key, args.update_epochs)
+    order = jax.vmap(jax.random.permutation, (0, None))(keys, rows).reshape(-1)  # epoch after epoch
+    size = rows // args.num_minibatches
     minibatches = jax.tree.map(lambda x: x[order].reshape(-1, size, *x.shape[1:]), batch)
-    (params, opt_state), losses = jax.lax.scan(sgd_step, (params, opt_state), minibatches)
+    (params, opt_state), losses = jax.lax.scan(gradient_step, (params, opt_state), minibatches)
     return params, opt_state, losses
 
 
@@ -430,24 +440,89 @@ def update(state, optimizer, args, env):
     """One PPO update of one agent on one device."""
     key, k_device = jax.random.split(state.key)
     k_device = jax.random.fold_in(k_device, jax.lax.axis_index("devices"))
-    k_act, k_reset, k_perm = jax.random.split(k_device, 3)
-    env_state, obs, traj = rollout(state.params, state.env_state, state.obs, k_act, k_reset, args, env)
+    k_act, k_reset, k_shuffle = jax.random.split(k_device, 3)
+    params, opt_state, env_state, obs, _ = state
+    env_state, obs, traj = rollout(params, env_state, obs, k_act, k_reset, args, env)
+    outcome = traj.outcome
     # V(obs) and V(final_obs), [T, E] each, in one pass.
-    step = traj.step
-    values, next_values = mlp(state.params["critic"], jnp.stack([traj.obs, step.final_obs]))[..., 0]
-    done = (step.terminated | step.truncated).astype(jnp.float32)
-    advantages, targets = gae(step.reward, values, next_values, step.terminated.astype(jnp.float32), done,
-                              args.gamma, args.gae_lambda)
+    _, (values, next_values) = apply(params, jnp.stack([traj.obs, outcome.final_obs]))
+    done = (outcome.terminated | outcome.truncated).astype(jnp.float32)
+    terminated = outcome.terminated.astype(jnp.float32)
+    advantages, targets = gae(outcome.reward, values, next_values, terminated, done, args.gamma, args.gae_lambda)
     batch = Batch(obs=traj.obs, action=traj.action, old_log_prob=traj.old_log_prob, value=values,
                   advantage=advantages, target=targets)
     batch = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), batch)  # [T*E, ...]
-    params, opt_state, losses = gradient_steps(state.params, state.opt_state, batch, k_perm, optimizer, args,
-                                               env)
+    params, opt_state, losses = gradient_steps(params, opt_state, batch, k_shuffle, optimizer, args, env)
     stats = Stats(losses=jax.lax.pmean(jax.tree.map(jnp.mean, losses), "devices"),
-                  return_sum=jax.lax.psum(step.ep_return.sum(), "devices"),
-                  length_sum=jax.lax.psum(step.ep_length.sum(), "devices"),
+                  return_sum=jax.lax.psum(outcome.ep_return.sum(), "devices"),
+                  length_sum=jax.lax.psum(outcome.ep_length.sum(), "devices"),
                   episodes=jax.lax.psum(done.sum(), "devices"))
-    return TrainState(params=params, opt_state=opt_state, env_state=env_state, obs=obs, key=key), stats
+    return TrainState(params, opt_state, env_state, obs, key), stats
+
+
+# ---- The device mapping: loop updates, vmap seeds, shard_map devices
+
+# shard_map (in `make_train`) runs the training on each device with its share of each array: P()
+# gives each device the whole array (replicated), P(None, "devices") splits the envs' axis 1.
+STATE_SPECS = TrainState(params=P(), opt_state=P(), env_state=P(None, "devices"), obs=P(None, "devices"),
+                         key=P())
+
+
+def make_train(args, env, mesh, num_updates):
+    """`n` updates of every seed. `n` is an argument, so one compilation serves every call."""
+    optimizer = make_optimizer(args, num_updates)
+
+    def train(state, n):
+        def one_update(_, carry):
+            state, total = carry
+            state, stats = update(state, optimizer, args, env)
+            return state, jax.tree.map(jnp.add, total, stats)
+
+        zero = jnp.float32(0)
+        zeros = Stats(losses=Losses(*[zero] * 5), return_sum=zero, length_sum=jnp.int32(0), episodes=zero)
+        return jax.lax.fori_loop(0, n, one_update, (state, zeros))
+
+    # The vmap gives `train` one agent's state (row i of each leaf), and the same `n` to all.
+    # check_vma=True would sum the replicated parameters' gradients over devices before our pmean.
+    sharded = jax.shard_map(jax.vmap(train, in_axes=(0, None)), mesh=mesh, in_specs=(STATE_SPECS, P()),
+                            out_specs=(STATE_SPECS, P()), check_vma=False)
+    # On the CPU, LLVM's -O1 compiles this program 2-3x faster than its default -O2; it runs as fast.
+    options = {"xla_backend_optimization_level": 1} if jax.default_backend() == "cpu" else {}
+    # donate_argnums=0 lets XLA reuse the old state's memory for the new: the caller never reads it.
+    return jax.jit(sharded, donate_argnums=0, compiler_options=options)
+
+
+def pick_devices(args):
+    """The first --num-devices of every host, on one mesh axis named "devices"."""
+    local = jax.local_devices()
+    per_host = len(local) if args.num_devices is None else args.num_devices
+    if not 1 <= per_host <= len(local):
+        fail(f"--num-devices {per_host} is not possible: this host has {len(local)} device(s)")
+    hosts = [[d for d in jax.devices() if d.process_index == p] for p in range(jax.process_count())]
+    return Mesh(np.array([d for host in hosts for d in host[:per_host]]), ("devices",))
+
+
+# ---- The run: its state and log, then main
+
+def initial_state(args, env, mesh, num_envs):
+    """Every seed's TrainState on the mesh, fresh or resumed, and the number of updates done."""
+    shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), STATE_SPECS)
+    keys = jax.random.split(jax.random.PRNGKey(args.seed), args.num_seeds)
+    params = [init_params(np.random.default_rng([args.seed, i]), env) for i in range(args.num_seeds)]
+    params = jax.tree.map(lambda *p: np.stack(p), *params)  # [seeds, ...]
+    init = partial(init_state, args=args, env=env, num_envs=num_envs)
+    init = jax.jit(jax.vmap(init), out_shardings=shardings)
+    if not args.resume:
+        return init(keys, params), 0
+    shapes = jax.eval_shape(init, keys, params)
+    ckpt = load(args, {"state": shapes, "update": np.int64(0), "global_step": np.int64(0)})
+    return jax.device_put(ckpt["state"], shardings), int(ckpt["update"])
+
+
+def checkpoint(state, updates_done, steps_per_update):
+    """Every process calls this, as each holds only its own devices' envs."""
+    return {"state": multihost_utils.process_allgather(state, tiled=True),
+            "update": np.int64(updates_done), "global_step": np.int64(updates_done * steps_per_update)}
 
 
 def metrics_row(stats, n, lr):
@@ -465,71 +540,6 @@ def metrics_row(stats, n, lr):
             row.update({f"charts/episodic_return_seed{i}": float(r) for i, r in enumerate(returns)})
     return row
 
-
-# ---- The device mapping: loop updates, vmap seeds, shard_map devices
-
-# Leaves [seeds, (envs), ...]: parameters replicated, envs split.
-STATE_SPECS = TrainState(params=P(), opt_state=P(), env_state=P(None, "devices"), obs=P(None, "devices"),
-                         key=P())
-
-
-def make_train(args, env, mesh, num_updates):
-    """`n` updates of every seed. `n` is an argument, so one compilation serves every call."""
-    optimizer = make_optimizer(args, num_updates)
-
-    def train(state, n):
-        def one_update(_, carry):
-            state, total = carry
-            state, stats = update(state, optimizer, args, env)
-            return state, jax.tree.map(jnp.add, total, stats)
-
-        zero = jnp.float32(0)
-        losses = Losses(policy_loss=zero, value_loss=zero, entropy=zero, approx_kl=zero, clipfrac=zero)
-        zeros = Stats(losses=losses, return_sum=zero, length_sum=jnp.int32(0), episodes=zero)
-        return jax.lax.fori_loop(0, n, one_update, (state, zeros))
-
-    # check_vma=True would sum the replicated params' gradients over devices before our pmean.
-    sharded = jax.shard_map(jax.vmap(train, in_axes=(0, None)), mesh=mesh, in_specs=(STATE_SPECS, P()),
-                            out_specs=(STATE_SPECS, P()), check_vma=False)
-    # LLVM -O1 on CPU: 2-3x faster compiles here, runs as fast; -O2 changes Pendulum's checksum.
-    options = {"xla_backend_optimization_level": 1} if jax.default_backend() == "cpu" else {}
-    return jax.jit(sharded, donate_argnums=0, compiler_options=options)
-
-
-def pick_devices(args):
-    """The first --num-devices of every host, on one mesh axis."""
-    local = jax.local_devices()
-    n = len(local) if args.num_devices is None else args.num_devices
-    if not 1 <= n <= len(local):
-        fail(f"--num-devices {n} is not possible: this host has {len(local)} device(s)")
-    hosts = [[d for d in jax.devices() if d.process_index == p] for p in range(jax.process_count())]
-    return Mesh(np.array([d for host in hosts for d in host[:n]]), ("devices",))
-
-
-def initial_state(args, env, mesh, num_envs, num_updates):
-    """Every seed's TrainState on the mesh, fresh or resumed; its updates done."""
-    shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), STATE_SPECS)
-    keys = jax.random.split(jax.random.PRNGKey(args.seed), args.num_seeds)
-    params = [init_params(np.random.default_rng([args.seed, i]), env) for i in range(args.num_seeds)]
-    params = jax.tree.map(lambda *p: np.stack(p), *params)  # [seeds, ...]
-    init = partial(init_state, args=args, env=env, num_envs=num_envs)
-    init = jax.jit(jax.vmap(init), out_shardings=shardings)
-    if not args.resume:
-        return init(keys, params), 0
-    shapes = jax.eval_shape(init, keys, params)
-    ckpt = load(args, {"state": shapes, "update": np.int64(0), "global_step": np.int64(0)})
-    if ckpt["update"] >= num_updates:
-        fail(f"--resume {args.resume}: its run has done all {num_updates} updates (raise --total-timesteps)")
-    return jax.device_put(ckpt["state"], shardings), int(ckpt["update"])
-
-
-def checkpoint(state, updates_done, steps_per_update):
-    """All processes take part: each holds only its devices' envs."""
-    return {"state": multihost_utils.process_allgather(state, tiled=True),
-            "update": np.int64(updates_done), "global_step": np.int64(updates_done * steps_per_update)}
-
-
-# ---- The run
 
 def check_args(args):
     """Flags left at None take the env's defaults; then the script's own constraints."""
@@ -557,21 +567,24 @@ def main(args: Args) -> dict:
         fail(f"--total-timesteps {args.total_timesteps:,} is less than one update: {steps_per_update:,} steps "
              f"(--num-steps {args.num_steps} x {args.num_envs_per_device} envs x {mesh.size} devices)")
     num_updates = args.total_timesteps // steps_per_update
-    state, updates_done = initial_state(args, env, mesh, num_envs, num_updates)
+    state, updates_done = initial_state(args, env, mesh, num_envs)
+    if updates_done >= num_updates:
+        fail(f"--resume {args.resume}: its run has done all {num_updates} updates (raise --total-timesteps)")
     train = make_train(args, env, mesh, num_updates)
     train = train.lower(state, np.int32(0)).compile()  # before the clock starts
     run, row = open_run(args, updates_done, num_updates), {}
     while updates_done < num_updates:
         n = min(args.log_every, num_updates - updates_done)
         tic = time.time()
+        # A JAX call returns before the device is done: device_get waits.
         state, stats = train(state, np.int32(n))
-        stats = jax.device_get(stats)  # waits for the call
+        stats = jax.device_get(stats)
         updates_done += n
         row = {"global_step": updates_done * steps_per_update, "update": updates_done,
                "charts/SPS": n * steps_per_update * args.num_seeds / (time.time() - tic),
-               **metrics_row(stats, n, learning_rate(args, num_updates, updates_done - 1))}
+               **metrics_row(stats, n, learning_rate_at(args, num_updates, updates_done - 1))}
         log(run, row)
-        # Due if this call passed a multiple of --checkpoint-every, and after the last.
+        # A checkpoint is due if this call passed a multiple of --checkpoint-every, and after the last.
         due = updates_done % args.checkpoint_every < n or updates_done == num_updates
         safe_point(args, run, updates_done, due, partial(checkpoint, state, updates_done, steps_per_update))
     row["checksum"] = checksum(state.params)

@@ -6,7 +6,7 @@ and reports ratios measured in the same run, so the figures hold on a noisy mach
 
 A case is a function `bench_NAME()` registered in CASES; it calls `worker(...)` to run a
 measurement function of this file in a child process and returns a list of table rows.
-`--baseline COMMIT` also trains that commit's Sebulba scripts, in turns with today's.
+`--baseline COMMIT` also trains that commit's Sebulba scripts and anakin_ppo.py, in turns with today's.
 `--gpu-check [--tiny]` runs the GPU check instead (tests/figures/README.md, "The GPU check").
 """
 
@@ -253,12 +253,16 @@ def bench_ppo_atari(baseline=None, rounds=1):
 
 
 # ---------------------------------------------------------------------------------------
-# anakin_ppo.py: CartPole-v1 with PureJaxRL's configuration (4 envs x 128 steps, 4 epochs x 4
-# minibatches) and wider ones; training SPS against the rollout-only bound (the same rollouts,
-# actor forward passes and trajectories, no learning), compile time apart, in the same process.
+# anakin_ppo.py: CartPole-v1's default run, which is PureJaxRL's configuration (4 envs x 128 steps,
+# 4 epochs x 4 minibatches), whole, and wider ones; training SPS against the rollout-only bound (the
+# same rollouts, actor forward passes and trajectories, no learning), compile time apart, in the same
+# process. --baseline COMMIT also trains that commit's anakin_ppo.py in the same process, in turns.
 
 
-def ppo_worker(envs, seeds, updates):
+def ppo_worker(envs, seeds, updates, baseline=None):
+    import importlib.util
+    import inspect
+
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -268,14 +272,15 @@ def ppo_worker(envs, seeds, updates):
     args = ppo.check_args(ppo.Args(num_envs_per_device=envs, num_seeds=seeds))
     env = ppo.ENVS[args.env_id]
     mesh = Mesh(np.array(jax.devices()), ("devices",))
+    updates = updates or args.total_timesteps // (args.num_steps * envs * mesh.size)  # the whole run
     n = np.int32(updates)
 
     def rollouts(state, n):  # per seed and device: what `update` does before learning
         def one(_, s):
             key, k_act, k_reset = jax.random.split(s.key, 3)
             env_state, obs, traj = ppo.rollout(s.params, s.env_state, s.obs, k_act, k_reset, args, env)
-            used = (traj.obs.sum() + traj.action.sum() + traj.old_log_prob.sum() + traj.step.final_obs.sum()
-                    + traj.step.reward.sum())
+            used = (traj.obs.sum() + traj.action.sum() + traj.old_log_prob.sum() + traj.outcome.final_obs.sum()
+                    + traj.outcome.reward.sum())
             return s._replace(env_state=env_state, obs=obs, key=jax.random.fold_in(key, used.astype(jnp.int32)))
         return jax.lax.fori_loop(0, n, one, state)
 
@@ -284,23 +289,39 @@ def ppo_worker(envs, seeds, updates):
     init = lambda: jax.tree.map(jnp.copy, state)  # a fresh copy: the calls donate their state
     train = ppo.make_train(args, env, mesh, updates).lower(init(), n).compile()
     compile_s = time.perf_counter() - start
+    measures = []
+    if baseline:  # under another module name: conftest's load caches by the file's stem
+        spec = importlib.util.spec_from_file_location("anakin_ppo_baseline", Path(baseline) / "anakin_ppo.py")
+        old = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(old)
+        old_args = old.check_args(old.Args(num_envs_per_device=envs, num_seeds=seeds))
+        budget = [updates] if "num_updates" in inspect.signature(old.initial_state).parameters else []  # e62a0d7
+        old_state, _ = old.initial_state(old_args, old.ENVS[old_args.env_id], mesh, envs * mesh.size, *budget)
+        old_init = lambda: jax.tree.map(jnp.copy, old_state)  # noqa: E731
+        old_train = old.make_train(old_args, old.ENVS[old_args.env_id], mesh, updates).lower(old_init(), n).compile()
+        measures.append(lambda: timed(old_train, jax.block_until_ready(old_init()), n))
     rollout_only = jax.jit(jax.shard_map(jax.vmap(rollouts, in_axes=(0, None)), mesh=mesh,
                                          in_specs=(ppo.STATE_SPECS, P()), out_specs=ppo.STATE_SPECS,
                                          check_vma=False)).lower(init(), n).compile()
     steps = updates * args.num_steps * envs * mesh.size * seeds
-    train_s, rollout_s = best_of(lambda: timed(train, jax.block_until_ready(init()), n),
-                                 lambda: timed(rollout_only, jax.block_until_ready(init()), n))
-    return {"train_sps": steps / train_s, "rollout_sps": steps / rollout_s, "train_compile_s": compile_s}
+    train_s, rollout_s, *baseline_s = best_of(lambda: timed(train, jax.block_until_ready(init()), n),
+                                              lambda: timed(rollout_only, jax.block_until_ready(init()), n),
+                                              *measures)
+    return {"train_sps": steps / train_s, "rollout_sps": steps / rollout_s, "train_compile_s": compile_s,
+            **({"baseline_sps": steps / baseline_s[0]} if baseline else {})}
 
 
-def bench_ppo():
+def bench_ppo(baseline=None, rounds=None):
     rows = []
-    for envs, seeds, updates in ((4, 1, 400), (2048, 1, 3), (4, 16, 50)):
-        r = worker("ppo_worker", envs=envs, seeds=seeds, updates=updates)
+    for envs, seeds, updates in ((4, 1, None), (2048, 1, 3), (4, 16, 50)):  # None: the default run's 976
+        r = worker("ppo_worker", envs=envs, seeds=seeds, updates=updates, baseline=baseline and str(baseline[1]))
         rows.append({
-            "config": f"{envs} envs x 128 steps" + (f", {seeds} seeds" if seeds > 1 else ""),
+            "config": f"{envs} envs x 128 steps" + (f", {seeds} seeds" if seeds > 1 else "")
+                      + ("" if updates else ", the default run (PureJaxRL's)"),
             "train SPS": f"{r['train_sps']:,.0f}", "rollout-only SPS": f"{r['rollout_sps']:,.0f}",
             "ratio": f"{r['train_sps'] / r['rollout_sps']:.0%}", "compile s (train)": f"{r['train_compile_s']:.1f}",
+            **({f"train SPS at {baseline[0]}": f"{r['baseline_sps']:,.0f}",
+                f"today / {baseline[0]}": f"{r['train_sps'] / r['baseline_sps']:.2f}"} if baseline else {}),
         })
     return rows
 
@@ -379,7 +400,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="*", choices=sorted(CASES), help="cases to run (default: all)")
     parser.add_argument("--out", help="the JSON written (default: benchmark.json; gpu_check.json)")
-    parser.add_argument("--baseline", metavar="COMMIT", help="Sebulba cases: also train that commit's scripts")
+    parser.add_argument("--baseline", metavar="COMMIT", help="Sebulba and ppo cases: also train that commit's scripts")
     parser.add_argument("--rounds", type=int, default=2, help="with --baseline: runs of each script, in turns")
     parser.add_argument("--gpu-check", action="store_true", help="the GPU check instead (tests/figures/README.md)")
     parser.add_argument("--tiny", action="store_true", help="--gpu-check at a tiny size, to test it on a CPU")
@@ -396,15 +417,15 @@ def main():
     with tempfile.TemporaryDirectory() as folder:
         baseline = args.baseline and (args.baseline, checkout(args.baseline, Path(folder)))
         for name in args.only or CASES:
-            rows = CASES[name](baseline, args.rounds) if name in ("impala", "ppo_atari") else CASES[name]()
+            rows = CASES[name](baseline, args.rounds) if name in ("impala", "ppo_atari", "ppo") else CASES[name]()
             results[name] = rows
             print(f"\n### {name} ({machine})\n\n{table(rows)}\n", flush=True)
     Path(args.out or "benchmark.json").write_text(json.dumps(results, indent=2))
 
 
 def checkout(commit, folder):
-    """`commit`'s Sebulba scripts, copied into `folder` under their own names."""
-    for script in ("sebulba_impala.py", "sebulba_ppo_atari.py"):
+    """`commit`'s Sebulba scripts and anakin_ppo.py, copied into `folder` under their own names."""
+    for script in ("sebulba_impala.py", "sebulba_ppo_atari.py", "anakin_ppo.py"):
         text = subprocess.run(["git", "show", f"{commit}:{script}"], cwd=ROOT, capture_output=True, text=True,
                               check=True).stdout
         (folder / script).write_text(text)

@@ -50,13 +50,13 @@ def test_every_env_gives_a_value_to_each_flag_left_at_none_and_help_names_it(cap
 
 
 def jax_trajectory(env, policy, key, n):
-    """n steps of one JAX env with auto-reset: (state before each step, action, Step)."""
+    """n steps of one JAX env with auto-reset: (state before each step, action, Outcome)."""
     def body(carry, key):
         state, obs = carry
         k_act, k_reset = jax.random.split(key)
         action = policy(k_act, obs)
-        new_state, step = ppo.env_step(env, state, action, ppo.env_reset(env, k_reset))
-        return (new_state, step.obs), (state, action, step)
+        new_state, outcome = ppo.env_step(env, state, action, ppo.env_reset(env, k_reset))
+        return (new_state, outcome.obs), (state, action, outcome)
 
     k0, k1 = jax.random.split(key)
     _, out = jax.lax.scan(body, ppo.env_reset(env, k0), jax.random.split(k1, n))
@@ -70,7 +70,7 @@ def to_gym_action(env_id, action):
 def lockstep(env_id, policy, seed, n):
     """Step gymnasium from each JAX state with the same action; compare everything."""
     env = ppo.ENVS[env_id]
-    states, actions, steps = jax_trajectory(env, policy, jax.random.PRNGKey(seed), n)
+    states, actions, outcomes = jax_trajectory(env, policy, jax.random.PRNGKey(seed), n)
     gym_env = gym.make(env_id)
     gym_obs, gym_rewards, gym_terminated, gym_truncated = [], [], [], []
     for i in range(n):
@@ -80,10 +80,10 @@ def lockstep(env_id, policy, seed, n):
         obs, reward, terminated, truncated, _ = gym_env.step(to_gym_action(env_id, actions[i]))
         gym_obs.append(obs), gym_rewards.append(reward)
         gym_terminated.append(terminated), gym_truncated.append(truncated)
-    np.testing.assert_allclose(steps.final_obs, np.array(gym_obs), rtol=0, atol=1e-5)
-    np.testing.assert_allclose(steps.reward, np.array(gym_rewards), rtol=1e-5, atol=1e-5)
-    np.testing.assert_array_equal(steps.terminated, gym_terminated)
-    np.testing.assert_array_equal(steps.truncated, gym_truncated)
+    np.testing.assert_allclose(outcomes.final_obs, np.array(gym_obs), rtol=0, atol=1e-5)
+    np.testing.assert_allclose(outcomes.reward, np.array(gym_rewards), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(outcomes.terminated, gym_terminated)
+    np.testing.assert_array_equal(outcomes.truncated, gym_truncated)
     ends = {"terminated": int(np.sum(gym_terminated)), "truncated": int(np.sum(gym_truncated))}
     return ends
 
@@ -115,16 +115,16 @@ def test_open_loop_replay_of_50_steps_matches_gymnasium(env_id):
     env = ppo.ENVS[env_id]
     policy = (cartpole_policy((0.1, 0.5, 10.0, 1.0), 0.0) if env_id == "CartPole-v1"
               else lambda k, obs: jax.random.uniform(k, (1,), minval=-2, maxval=2))
-    states, actions, steps = jax_trajectory(env, policy, jax.random.PRNGKey(3), 50)
+    states, actions, outcomes = jax_trajectory(env, policy, jax.random.PRNGKey(3), 50)
     assert states.t[-1] == 49  # one episode, no reset inside the replay
     gym_env = gym.make(env_id)
     gym_env.reset(seed=3)
     gym_env.unwrapped.state = states.inner[0].astype(np.float64)  # only the start is shared
     for i in range(50):
         obs, reward, terminated, truncated, _ = gym_env.step(to_gym_action(env_id, actions[i]))
-        np.testing.assert_allclose(steps.final_obs[i], obs, rtol=0, atol=1e-4, err_msg=f"step {i}")
-        np.testing.assert_allclose(steps.reward[i], reward, rtol=1e-4, atol=1e-4)
-        assert not terminated and not truncated and not steps.terminated[i] and not steps.truncated[i]
+        np.testing.assert_allclose(outcomes.final_obs[i], obs, rtol=0, atol=1e-4, err_msg=f"step {i}")
+        np.testing.assert_allclose(outcomes.reward[i], reward, rtol=1e-4, atol=1e-4)
+        assert not terminated and not truncated and not outcomes.terminated[i] and not outcomes.truncated[i]
 
 
 @pytest.mark.parametrize("env_id, low, high", [
@@ -146,12 +146,12 @@ def test_time_limit_truncates_and_keeps_the_final_observation():
     state, _ = ppo.env_reset(env, jax.random.PRNGKey(0))
     state = state._replace(t=jnp.int32(env.max_steps - 1))
     fresh = ppo.env_reset(env, jax.random.PRNGKey(1))
-    new_state, step = ppo.env_step(env, state, jnp.array([1.0]), fresh)
+    new_state, outcome = ppo.env_step(env, state, jnp.array([1.0]), fresh)
     inner, _, _ = env.step(state.inner, jnp.array([1.0]))
-    assert bool(step.truncated) and not bool(step.terminated)
-    np.testing.assert_array_equal(step.final_obs, env.observe(inner))  # bootstrapped from this
-    np.testing.assert_array_equal(step.obs, fresh[1])  # the agent goes on from a new episode
-    assert int(new_state.t) == 0 and int(step.ep_length) == env.max_steps
+    assert bool(outcome.truncated) and not bool(outcome.terminated)
+    np.testing.assert_array_equal(outcome.final_obs, env.observe(inner))  # bootstrapped from this
+    np.testing.assert_array_equal(outcome.obs, fresh[1])  # the agent goes on from a new episode
+    assert int(new_state.t) == 0 and int(outcome.ep_length) == env.max_steps
 
 
 # ---- GAE and the PPO loss pieces -------------------------------------------------------------
@@ -238,26 +238,6 @@ def test_sampling_follows_the_policy():
     noise = ppo.draw_noise(PENDULUM, jax.random.PRNGKey(1), (n, 1))
     actions = np.asarray(ppo.sample(PENDULUM, params, jnp.full((n, 1), 1.5), noise))
     np.testing.assert_allclose([actions.mean(), actions.std()], [1.5, 0.5], atol=0.005)
-
-
-def test_minibatch_shuffles_are_uniform_permutations():
-    n, num = 300, 20_000  # n not a power of two: the index takes 9 low bits of each key
-    perms = np.asarray(ppo.permutations(jax.random.PRNGKey(0), num, n))
-    assert (np.sort(perms, axis=1) == np.arange(n)).all()  # every row is a permutation
-    # Where index 0 and index n-1 land is uniform: each of 10 position bins gets ~1/10 of the rows.
-    for index in (0, n - 1):
-        position = np.argmax(perms == index, axis=1)
-        np.testing.assert_allclose(np.bincount(position * 10 // n, minlength=10) / num, 0.1, atol=0.01)
-
-
-def test_minibatches_of_a_2_20_row_shuffle_mix_time_as_numpys_shuffle_does():
-    # Rows are in time order; tied sort keys would keep runs of rows together and make
-    # minibatches slices of time, their mean row index spread wide.
-    n, size = 2**20, 128  # 8192 minibatches
-    perm = np.asarray(ppo.permutations(jax.random.PRNGKey(0), 1, n))[0]
-    assert (np.sort(perm) == np.arange(n)).all()
-    spread = [(p.reshape(-1, size).mean(axis=1) / n).std() for p in (perm, np.random.default_rng(0).permutation(n))]
-    np.testing.assert_allclose(spread[0], spread[1], rtol=0.05)  # each ~0.026, within ~1% (8192 samples)
 
 
 SAME_MINIBATCH = f'''
