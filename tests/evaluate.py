@@ -163,7 +163,7 @@ def state_template(script, module, args):
         return args, module.initial_state(args, one_device, 1)[0]
     if script == "anakin_ppo.py":
         args = module.check_args(args)
-        return args, module.initial_state(args, module.ENVS[args.env_id], one_device, 1, 1)[0]
+        return args, module.initial_state(args, module.ENVS[args.env_id], one_device, 1)[0]
     args, env = module.check_args(args)
     return args, jax.eval_shape(partial(module.init_state, jax.random.PRNGKey(args.seed), args, env, 1))
 
