@@ -162,7 +162,7 @@ def env_reset(envs):
 
 # The reset step: envpool and gymnasium reset an env on the step after its episode ends; that step
 # ignores the action and only returns the next episode's first observation. It is no move, so the
-# actor marks it `valid` 0: the loss, V-trace's recursion and game lengths leave it out.
+# actor marks it `valid` 0: the loss and the game lengths leave it out.
 
 class Step(NamedTuple):  # Atari: a lost life ends a training episode; the last life's, the game
     obs: np.ndarray  # [E, *obs_shape]
@@ -391,9 +391,9 @@ def local(tree):
     """This host's copy of a replicated global array."""
     return jax.tree.map(lambda x: x.addressable_shards[0].data, tree)
 
-# jit compiles `act` per input shape; `network` picks code, so it is static (each value compiles
-# its own). It runs where its inputs are: the thread's parameters and key, on its actor device.
-@partial(jax.jit, static_argnames="network")
+# jit compiles `act` once per input shape. It runs where its inputs are: the thread's parameters
+# and key, on its actor device.
+@partial(jax.jit, static_argnames="network")  # `network` picks code: each value compiles anew
 def act(params, obs, key, network):
     key, sub = jax.random.split(key)
     logits, _ = apply(params, obs, network)
@@ -510,7 +510,7 @@ def collect(args, groups, params, states, stats):
 
 def stack_steps(steps):
     """T dicts of [E_g] arrays -> one dict of [T, E_g] arrays."""
-    steps = jax.device_get(steps)  # the logits leave the actor device in one transfer
+    steps = jax.device_get(steps)  # what is still on the actor device comes in one transfer
     return {name: np.stack([step[name] for step in steps]) for name in steps[0]}
 
 def track_games(state, step, stats):
