@@ -7,16 +7,12 @@ al. 2017) for Atari.
       (--local-num-envs envs)      <--  actions (log-prob, value stay until the rollout ends)
       --num-steps steps, then the rollout [T, E, ...] is split along E
                                    ------------------------------>  learner 0 | learner 1 | ...
-                                        (device_put, bounded queue)  GAE, then epochs x minibatches
-                                                                     of PPO, grads psum'd over all
-                                   <------------------------------  new params (one update later)
+                                        (share k to learner k,       assemble: one global batch;
+                                         a queue of one rollout)     GAE, PPO's epochs, grads psum'd
+                                   <------------------------------  publish: new params, one update on
 
-Reading order:
-    1. `actor`, `collect`: an actor thread (wait for parameters, act, step, store, queue).
-    2. `learn`: the learner (take rollouts, update, publish, log, checkpoint).
-    3. `learner_update`, `ppo_loss`, `decoupled_surrogate`, `gae`: the update.
-    4. `apply` (the networks), `env_step` (envpool or gymnasium).
-    5. `main`, the table of contents; skip the plumbing after it.
+Read top to bottom: envs, network, loss, optimizer, then one rollout's path as its data flows
+(`actor`, `collect`, `learn`, `assemble`, `learner_update`, `publish`), then `main`.
 
     python sebulba_ppo_atari.py --env-id Breakout-v5
     python sebulba_ppo_atari.py --env-id Pong-v5 --actor-device-ids 0 --learner-device-ids 1 2 3
@@ -79,7 +75,7 @@ class Args:
     machado: bool = False  # Atari as Machado et al. (2018): sticky actions, all 18, no life loss
     log_every: int = 1  # updates between metrics rows
     checkpoint_every: int = 50  # updates between checkpoints (and one at the end)
-    # The plumbing's:
+    # Flags of the plumbing appendix at the end:
     exp_name: str = Path(__file__).stem  # part of the run folder's name
     run_dir: str = "runs"  # parent folder of run folders
     resume: str | None = None  # a checkpoint.npz to continue from
@@ -104,7 +100,7 @@ class EnvInfo(NamedTuple):
     source: str  # envpool or gymnasium
     atari: bool  # envpool's Atari
 
-@cache  # one probe per run
+@cache
 def describe_env(env_id, machado):
     module, _, name = env_id.rpartition(":")
     if env_id in envpool.list_all_envs():
@@ -135,15 +131,15 @@ class Envs(NamedTuple):  # a batch of envs stepped together
 
 def make_envs(args, num_envs, seed):
     env_info = describe_env(args.env_id, args.machado)
-    if env_info.source == "gymnasium":  # resets an ended env on the next step, as envpool does
+    if env_info.source == "gymnasium":
         pool = gym.make_vec(args.env_id.rpartition(":")[2], num_envs, vectorization_mode="sync")
-    else:  # the host's cores shared among all env batches' worker threads
+    else:  # all env batches' worker threads share the host's cores
         batches = len(args.actor_device_ids or [0]) * args.num_actor_threads * (1 + args.async_envs)
-        # The cores this process may use: Linux can say (a container's share); macOS and Windows cannot.
+        # The cores this process may use: Linux can say (a container's share), macOS and Windows not.
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
         threads = min(num_envs, max(1, cores // batches))
-        pool = envpool.make(args.env_id, env_type="gymnasium", num_envs=num_envs, seed=seed, num_threads=threads,
-                            **(atari_kwargs(args.machado) if env_info.atari else {}))
+        pool = envpool.make(args.env_id, env_type="gymnasium", num_envs=num_envs, seed=seed,
+                            num_threads=threads, **(atari_kwargs(args.machado) if env_info.atari else {}))
     return Envs(pool=pool, env_info=env_info, seed=seed)
 
 def host_obs(obs, env_info):  # images channels first
@@ -153,11 +149,15 @@ def env_reset(envs):
     obs, _ = envs.pool.reset() if envs.env_info.source == "envpool" else envs.pool.reset(seed=envs.seed)
     return host_obs(obs, envs.env_info)
 
-class Step(NamedTuple):  # Atari: a lost life ends a training episode, the last one the game
+# The reset step: envpool and gymnasium reset an env on the step after its episode ends; that step
+# ignores the action and only returns the next episode's first observation. It is no move, so the
+# actor marks it `valid` 0: the loss and the game lengths leave it out.
+
+class Step(NamedTuple):  # Atari: a lost life ends a training episode; the last life's, the game
     obs: np.ndarray  # [E, *obs_shape]
     reward: np.ndarray  # [E] (Atari: clipped)
-    terminated: np.ndarray  # [E] no bootstrap from obs
-    ended: np.ndarray  # [E] terminated or truncated: the next step resets
+    terminated: np.ndarray  # [E] the episode ended for good: no bootstrap from obs
+    ended: np.ndarray  # [E] terminated or truncated: the next step is a reset step
     score: np.ndarray  # [E] (Atari: unclipped)
     game_over: np.ndarray  # [E] the game ended or was cut
 
@@ -173,8 +173,8 @@ def env_step(envs, actions, sent=False):
     score, game_over = reward, terminated | truncated
     if envs.env_info.atari:  # the whole game's, not the training episode's
         score, game_over = info["reward"], info["terminated"].astype(bool) | truncated
-    return Step(obs=host_obs(obs, envs.env_info), reward=reward.astype(np.float32), terminated=terminated,
-                ended=terminated | truncated, score=score, game_over=game_over)
+    return Step(obs=host_obs(obs, envs.env_info), reward=reward.astype(np.float32),
+                terminated=terminated, ended=terminated | truncated, score=score, game_over=game_over)
 
 
 # ---- The network: a CNN, two heads, orthogonal init
@@ -194,7 +194,8 @@ def conv_init(key, c_in, c_out, size):
 
 def init_params(key, obs_shape, num_actions):
     convs, hidden = cnn_for(obs_shape)
-    # A key a layer. split(key, 32)[i] does not depend on 32, so that count changes nothing.
+    # Layer i takes key i of 32. split(key, n)[i] is the same for any n > i, so 32 need only
+    # exceed the number of layers.
     keys, torso = iter(jax.random.split(key, 32)), {}
     c_in, (h, w) = obs_shape[0], obs_shape[1:]
     for i, (c, size, stride) in enumerate(convs):
@@ -243,11 +244,12 @@ def gae(rewards, values, terminated, ended, gamma, lam):
         adv = delta + gamma * lam * (1.0 - end) * next_adv
         return adv, adv
 
+    # lax.scan, a compiled loop, calls `backward` on each step's inputs, last step first.
     _, advantages = jax.lax.scan(backward, jnp.zeros_like(deltas[0]), (deltas, ended), reverse=True)
     return advantages
 
 def normalize(advantages, valid, axis_name):
-    """Zero mean, unit std over all learners' valid samples."""
+    """Zero mean, unit std over all learners' valid samples: psum adds over the mesh axis "devices"."""
     n = jax.lax.psum(valid.sum(), axis_name)
     mean = jax.lax.psum((advantages * valid).sum(), axis_name) / n
     var = jax.lax.psum((((advantages - mean) ** 2) * valid).sum(), axis_name) / n
@@ -258,9 +260,10 @@ def clipped_surrogate(ratio, advantages, clip):
     return jnp.maximum(-advantages * ratio, -advantages * jnp.clip(ratio, 1 - clip, 1 + clip))
 
 def decoupled_surrogate(logp, logp_prox, logp_mu, advantages, clip):
-    """Decoupled PPO (Hilton et al. 2021): the ratio is clipped around pi_prox (the parameters at the
-    update's start); pi_prox / mu weights the samples, unclipped as in the paper (clipping biases
-    toward mu), near 1 one update apart; the gradient clip bounds outliers."""
+    """Decoupled PPO (Hilton et al. 2021). The actors acted with mu, up to one update old; plain PPO
+    would centre its clip window there. Here the ratio pi / pi_prox is clipped around pi_prox, the
+    learner's parameters at the update's start, and each sample is weighted by pi_prox / mu, not
+    clipped, as in the paper: it stays near 1, and the gradient's norm clip bounds a rare outlier."""
     weight = jax.lax.stop_gradient(jnp.exp(logp_prox - logp_mu))
     ratio = jnp.exp(logp - jax.lax.stop_gradient(logp_prox))
     return weight * clipped_surrogate(ratio, advantages, clip)
@@ -289,7 +292,8 @@ class Losses(NamedTuple):
     clipfrac_first: jax.Array  # pi / mu outside it first: what plain PPO drops
 
 def ppo_loss(params, mb, args, axis_name):
-    """This learner's share of the minibatch's mean PPO loss (psum adds the shares)."""
+    """Each term is this learner's share of the minibatch mean, its samples' sum over the global
+    count n: one psum of the shares is the mean, where a local .mean() would count per learner."""
     logits, values = apply(params, mb.obs)
     logp = log_prob(logits, mb.actions)
     log_ratio = logp - mb.logp_prox
@@ -309,8 +313,85 @@ def ppo_loss(params, mb, args, axis_name):
     return loss, losses
 
 
-# ---- Acting (actor threads, actor devices)
+# ---- The optimizer and the state it updates
 
+class TrainState(NamedTuple):
+    params: dict
+    opt_state: optax.OptState
+    key: jax.Array  # alike on all learners
+
+def annealed_lr(args, num_updates, update_index):  # update_index counts from 0
+    return args.learning_rate * (1.0 - update_index / num_updates if args.anneal_lr else 1.0)
+
+def make_optimizer(args, num_updates):
+    """Adam; the step size decays per update, not per gradient step."""
+    grad_steps_per_update = args.update_epochs * args.num_minibatches
+    lr = lambda count: annealed_lr(args, num_updates, count // grad_steps_per_update)
+    return optax.chain(optax.clip_by_global_norm(args.max_grad_norm), optax.adam(lr, eps=1e-5))
+
+def init_state(key, args, env_info, num_updates):
+    k_params, k_learn = jax.random.split(key)
+    params = init_params(k_params, env_info.obs_shape, env_info.num_actions)
+    return TrainState(params=params, opt_state=make_optimizer(args, num_updates).init(params), key=k_learn)
+
+def logp_prox_of(params, samples, chunks):
+    """log pi_prox of each sample, in `chunks` to bound memory."""
+    split = lambda x: x.reshape(chunks, -1, *x.shape[1:])
+    logp_of = lambda chunk: log_prob(apply(params, chunk[0])[0], chunk[1])
+    return jax.lax.map(logp_of, (split(samples.obs), split(samples.actions))).reshape(-1)
+
+
+# ---- One rollout's path, with every device placement on it, in the order its data flows
+#
+# The policy lag. Rollout u of an actor thread (u = 0, 1, ...) feeds update u + 1 and acts with
+# the newest version published, at least u - 1 (version v: the parameters after v updates). So
+# while the learners compute update u from rollout u - 1, the actors collect rollout u with
+# version u - 1: one update behind (stats/param_lag); decoupled PPO corrects for it.
+
+class Layout(NamedTuple):
+    actor_devices: list  # this host's
+    learner_devices: list  # this host's, in mesh order
+    mesh: Mesh  # all hosts' learner devices along one axis, "devices"
+    num_envs: int  # of all hosts
+
+def pick_devices(args):
+    """The devices that act and learn. The learners form a Mesh, devices along named axes (here
+    one, "devices"): shard_map runs a function on each of them, and psum adds across them."""
+    n = jax.local_device_count()
+    actors = args.actor_device_ids or [0]
+    learners = args.learner_device_ids or ([i for i in range(n) if i not in actors] or [0])
+    for flag, ids in (("--actor-device-ids", actors), ("--learner-device-ids", learners)):
+        if not all(0 <= i < n for i in ids) or len(set(ids)) < len(ids):
+            fail(f"{flag} {ids}: give distinct indices in 0..{n - 1}")
+    if n > 1 and set(actors) & set(learners):
+        fail(f"--learner-device-ids {learners} share a device with --actor-device-ids {actors}")
+    hosts = [[d for d in jax.devices() if d.process_index == p] for p in range(jax.process_count())]
+    mesh = Mesh(np.array([host[i] for host in hosts for i in learners]), ("devices",))
+    mine = hosts[jax.process_index()]
+    num_envs = jax.process_count() * len(actors) * args.num_actor_threads * args.local_num_envs
+    return Layout(actor_devices=[mine[i] for i in actors],
+                  learner_devices=[mine[i] for i in learners], mesh=mesh, num_envs=num_envs)
+
+def initial_state(args, env_info, layout, num_updates):
+    """The TrainState, new or --resume's, a copy on every learner, and its update. A jax.Array can
+    span devices, its sharding saying which part each holds (P(): all of it). The callback gives
+    each of this host's devices its part (index i): a host can place data only on its own."""
+    init = partial(init_state, jax.random.PRNGKey(args.seed), args, env_info, num_updates)
+    ckpt = args.resume and load(args, {"state": jax.eval_shape(init), "update": np.int64(0),
+                                       "global_step": np.int64(0)})
+    if ckpt and ckpt["update"] >= num_updates:
+        fail(f"--resume {args.resume}: its run has done all {num_updates} updates (raise --total-timesteps)")
+    replicated = NamedSharding(layout.mesh, P())
+    state = jax.tree.map(lambda a: jax.make_array_from_callback(a.shape, replicated, lambda i: a[i]),
+                         ckpt["state"] if ckpt else jax.device_get(init()))
+    return state, int(ckpt["update"]) if ckpt else 0
+
+def local(tree):
+    """This host's copy of a replicated global array."""
+    return jax.tree.map(lambda x: x.addressable_shards[0].data, tree)
+
+# jit compiles `act` once per input shape. It runs where its inputs are: the thread's parameters
+# and key, on its actor device.
 @jax.jit
 def act(params, obs, key):
     key, sub = jax.random.split(key)
@@ -319,6 +400,7 @@ def act(params, obs, key):
     return actions, log_prob(logits, actions), values, key
 
 class Rollout(NamedTuple):  # --num-steps steps of E envs
+    # x_0..x_{T-1}: the actor sends the values GAE uses, V(x_T) too (sebulba_impala sends x_T).
     obs: np.ndarray  # [T, E, *obs_shape]
     actions: np.ndarray  # [T, E]
     logp_mu: np.ndarray  # [T, E] the behaviour policy's
@@ -328,10 +410,10 @@ class Rollout(NamedTuple):  # --num-steps steps of E envs
     ended: np.ndarray  # [T, E] terminated or truncated
     valid: np.ndarray  # [T, E] 0.0: step t is a reset step
 
-class ActorState(NamedTuple):  # an env group's, from step to step
+class ActorState(NamedTuple):  # an env group's, carried from step to step
     obs: np.ndarray  # [E, *obs_shape] to act on
     key: jax.Array  # on the actor device
-    ended: np.ndarray  # [E] obs ends an episode: the next step resets
+    ended: np.ndarray  # [E] obs is an episode's last: the next step is a reset step
     game_return: np.ndarray  # [E] (Atari: unclipped)
     game_length: np.ndarray  # [E]
 
@@ -339,25 +421,63 @@ class ActorStats(NamedTuple):  # sent with each rollout
     returns: list  # of the games that ended
     lengths: list
     lag: int  # stats/param_lag
-    seconds: dict  # timings
+    timings: dict  # seconds spent, by name
 
-def track_games(state, step, stats):
-    """The ActorState after `step`; ended games go to `stats`."""
-    game_return = state.game_return + step.score
-    # A reset step is no move of the game: it only returns the first observation.
-    game_length = state.game_length + np.where(state.ended, 0, 1)
-    over = step.game_over
-    stats.returns.extend(game_return[over].tolist())
-    stats.lengths.extend(game_length[over].tolist())
-    return ActorState(obs=step.obs, key=state.key, ended=step.ended, game_return=np.where(over, 0.0,
-                      game_return), game_length=np.where(over, 0, game_length))
+@contextlib.contextmanager
+def timer(timings, name):
+    began = time.perf_counter()
+    yield
+    timings[name] += time.perf_counter() - began
+
+def start_actors(args, layout, store, start_update, num_updates):
+    """This host's actor threads, each with a queue of one rollout, where a thread ahead waits."""
+    def crash(hook):  # a raise ends the run, or the learner would wait forever
+        traceback.print_exception(hook.exc_type, hook.exc_value, hook.exc_traceback)
+        os._exit(1)
+
+    threading.excepthook = crash
+    num_threads = len(layout.actor_devices) * args.num_actor_threads
+    queues = [queue.Queue(maxsize=1) for _ in range(num_threads)]
+    for i, rollout_queue in enumerate(queues):
+        index = jax.process_index() * num_threads + i
+        device = layout.actor_devices[i // args.num_actor_threads]
+        threading.Thread(target=actor, name=f"actor{i}", daemon=True, args=(args, index, device,
+                         layout.learner_devices, store, rollout_queue, start_update, num_updates)).start()
+    return queues
+
+def actor(args, index, device, learner_devices, store, rollout_queue, start_update, num_updates):
+    """Actor thread `index` (of all hosts') makes rollouts start_update to num_updates - 1."""
+    groups, states = start_groups(args, index, device, start_update)
+    for u in range(start_update, num_updates):
+        version, params = store.wait(u - int(args.policy_lag))  # --no-policy-lag: u; see `ParamStore`
+        stats = ActorStats(returns=[], lengths=[], lag=u - version, timings=defaultdict(float))
+        with timer(stats.timings, "rollout_time"):
+            rollout, states = collect(args, groups, params[device], states, stats)
+            # Learner k's share is block k of every array's env axis; device_put copies it there.
+            blocks = [np.split(x, len(learner_devices), axis=1) for x in rollout]  # per field
+            shares = [Rollout(*fields) for fields in zip(*blocks)]
+            shares = [jax.device_put(share, d) for share, d in zip(shares, learner_devices)]
+        rollout_queue.put((shares, stats))
+
+def start_groups(args, index, device, start_update):
+    """Actor thread `index`'s env groups (--async-envs: two halves) and first states."""
+    num_groups = 2 if args.async_envs else 1
+    n = args.local_num_envs // num_groups
+    groups, states = [], []
+    for i in range(index * num_groups, (index + 1) * num_groups):
+        groups.append(make_envs(args, n, args.seed + i * n))
+        # Each group, and each resumed run, samples from its own stream.
+        key = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(args.seed), start_update), 1 + i)
+        states.append(ActorState(obs=env_reset(groups[-1]), key=jax.device_put(key, device), ended=np.zeros(
+            n, bool), game_return=np.zeros(n), game_length=np.zeros(n, int)))
+    return groups, states
 
 def collect(args, groups, params, states, stats):
-    """--num-steps steps of each env group: act, step, store."""
-    stored = [[] for _ in groups]  # a group's steps, dicts of [E] arrays
+    """--num-steps steps of each env group: act, step, store. Returns the Rollout and the states."""
+    stored = [[] for _ in groups]  # per group, a dict of [E_g] arrays for each step
 
     def act_and_send(g):
-        with timer(stats.seconds, "inference_time"):
+        with timer(stats.timings, "inference_time"):
             actions, logp_mu, values, key = act(params, states[g].obs, states[g].key)
             actions = np.asarray(actions)  # the rest stays on the device
         env_send(groups[g], actions)
@@ -365,7 +485,7 @@ def collect(args, groups, params, states, stats):
         states[g] = states[g]._replace(key=key)
 
     def step_and_store(g):
-        with timer(stats.seconds, "env_step_time"):
+        with timer(stats.timings, "env_step_time"):
             step = env_step(groups[g], stored[g][-1]["actions"], sent=True)
         stored[g][-1].update(rewards=step.reward, terminated=step.terminated.astype(np.float32),
                              ended=step.ended.astype(np.float32), valid=(~states[g].ended).astype(np.float32))
@@ -382,43 +502,116 @@ def collect(args, groups, params, states, stats):
                     step_and_store(g)
                 act_and_send(g)
         step_and_store(0), step_and_store(1)
-    bootstrap = []  # V(x_T)
+    # V(x_T) from `act`, whose action is dropped: the next rollout acts on x_T with the parameters
+    # it gets then. One compiled function for both saves a compilation; the key moves on.
+    bootstrap = []
     for g, state in enumerate(states):
         _, _, value, key = act(params, state.obs, state.key)
         bootstrap, states[g] = bootstrap + [value], state._replace(key=key)
-    # [T, E, ...]; one fetch of logp_mu, values
-    rollout = jax.tree.map(lambda *x: np.concatenate(x, axis=1), *[
-        jax.tree.map(lambda *x: np.stack(jax.device_get(x)), *steps) for steps in stored])
-    rollout["values"] = np.concatenate([rollout["values"], np.concatenate(jax.device_get(bootstrap))[None]])
+    # Stack each group's steps along time, [T, E_g, ...], then join the groups along the envs.
+    by_group = [stack_steps(steps) for steps in stored]
+    rollout = {k: np.concatenate([arrays[k] for arrays in by_group], axis=1) for k in by_group[0]}
+    last_values = np.concatenate(jax.device_get(bootstrap))  # V(x_T)
+    rollout["values"] = np.concatenate([rollout["values"], last_values[None]])
     return Rollout(**rollout), states
 
-def start_groups(args, index, device, start_update):
-    """Actor thread `index`'s env groups (--async-envs: two halves) and first states."""
-    num_groups = 2 if args.async_envs else 1
-    n = args.local_num_envs // num_groups
-    groups, states = [], []
-    for i in range(index * num_groups, (index + 1) * num_groups):
-        groups.append(make_envs(args, n, args.seed + i * n))
-        # Each group, and each resumed run, samples from its own stream.
-        key = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(args.seed), start_update), 1 + i)
-        states.append(ActorState(obs=env_reset(groups[-1]), key=jax.device_put(key, device), ended=np.zeros(
-            n, bool), game_return=np.zeros(n), game_length=np.zeros(n, int)))
-    return groups, states
+def stack_steps(steps):
+    """T dicts of [E_g] arrays -> one dict of [T, E_g] arrays."""
+    steps = jax.device_get(steps)  # what is still on the actor device comes in one transfer
+    return {name: np.stack([step[name] for step in steps]) for name in steps[0]}
 
-@contextlib.contextmanager
-def timer(seconds, name):
-    start = time.perf_counter()
-    yield
-    seconds[name] += time.perf_counter() - start
+def track_games(state, step, stats):
+    """The ActorState after `step`; the games that ended go to `stats`."""
+    game_return = state.game_return + step.score
+    game_length = state.game_length + np.where(state.ended, 0, 1)  # a reset step is no move
+    over = step.game_over
+    stats.returns.extend(game_return[over].tolist())
+    stats.lengths.extend(game_length[over].tolist())
+    return ActorState(obs=step.obs, key=state.key, ended=step.ended, game_return=np.where(over, 0.0,
+                      game_return), game_length=np.where(over, 0, game_length))
+
+def learn(args, layout, run, store, queues, state, start_update, num_updates):
+    """The learner loop (main thread): take each thread's rollout, update, publish, log, save."""
+    update_fn, batch_size = make_update(args, layout.mesh, num_updates), args.num_steps * layout.num_envs
+    window, since = [], time.perf_counter()  # (Losses, timings, stats) of each update since a row
+    for update in range(start_update + 1, num_updates + 1):
+        timings = defaultdict(float)
+        with timer(timings, "learner_queue_wait"):
+            received = [q.get() for q in queues]  # rollout update - 1 of each thread
+        with timer(timings, "learner_time"):
+            rollout = assemble([shares for shares, _ in received], layout.mesh)
+            state, losses = update_fn(state, rollout)
+            store.publish(update, state.params)
+            losses = jax.device_get(local(losses))
+        window.append((losses, timings, [stats for _, stats in received]))
+        if update % args.log_every == 0 or update in (start_update + 1, num_updates):
+            row = report(args, run, window, time.perf_counter() - since, update, batch_size)
+            window, since = [], time.perf_counter()
+        checkpoint = lambda: {"state": jax.device_get(local(state)), "update": np.int64(update),
+                              "global_step": np.int64(update * batch_size)}
+        due = update % args.checkpoint_every == 0 or update == num_updates
+        safe_point(args, run, update, due, checkpoint)
+    return state, row
+
+def assemble(shares, mesh):
+    """The global Rollout [T, all envs, ...]: learner k's piece joins each thread's share k, and
+    make_array_from_single_device_arrays declares the array those pieces make, without a copy."""
+    sharding = NamedSharding(mesh, P(None, "devices"))
+    pieces = []  # learner k's: share k of every thread, joined along the envs
+    for shares_k in zip(*shares):
+        pieces.append(Rollout(*[jnp.concatenate(field, axis=1) for field in zip(*shares_k)]))
+
+    def whole(*field_pieces):  # one field's pieces, first learner first
+        first = field_pieces[0]
+        shape = (first.shape[0], first.shape[1] * mesh.size, *first.shape[2:])
+        return jax.make_array_from_single_device_arrays(shape, sharding, list(field_pieces))
+
+    return Rollout(*[whole(*field_pieces) for field_pieces in zip(*pieces)])
+
+def learner_update(state, rollout, args, optimizer):
+    """One PPO update on a learner's block [T, E_l, ...] of the global rollout (in shard_map)."""
+    r = rollout
+    advantages = gae(r.rewards, r.values, r.terminated, r.ended, args.gamma, args.gae_lambda)
+    samples = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), Samples(  # [T, E_l, ...] -> [N, ...]
+        obs=r.obs, actions=r.actions, logp_mu=r.logp_mu, values=r.values[:-1], advantages=advantages,
+        returns=advantages + r.values[:-1], valid=r.valid))
+    params, opt_state, key = state
+    samples = samples._replace(logp_prox=logp_prox_of(params, samples, args.num_minibatches))
+    losses = []
+    # Python loops: on XLA:CPU a conv's gradient inside lax.scan runs ~20x slower (jax issue 12868).
+    for _ in range(args.update_epochs):
+        key, sub = jax.random.split(key)
+        order = jax.random.permutation(sub, samples.actions.shape[0]).reshape(args.num_minibatches, -1)
+        for idx in order:
+            mb = jax.tree.map(lambda x: x[idx], samples)
+            grads, mb_losses = jax.grad(ppo_loss, has_aux=True)(params, mb, args, "devices")
+            grads = jax.lax.psum(grads, "devices")  # the shares' gradients add up to the mean's
+            changes, opt_state = optimizer.update(grads, opt_state, params)
+            params = optax.apply_updates(params, changes)
+            losses.append(jax.lax.psum(mb_losses, "devices"))
+    mean = jax.tree.map(lambda *x: jnp.stack(x).mean(), *losses)
+    mean = mean._replace(clipfrac_first=losses[0].clipfrac_first)
+    return TrainState(params=params, opt_state=opt_state, key=key), mean
+
+def make_update(args, mesh, num_updates):
+    """`learner_update` compiled over the mesh. shard_map runs it on each learner with its part of
+    each input: P() all of the TrainState, P(None, "devices") a block of axis 1 (the envs).
+    out_specs P(): the outputs are alike on all learners, as the psum makes them."""
+    body = partial(learner_update, args=args, optimizer=make_optimizer(args, num_updates))
+    # check_vma=False: the body psums the gradients itself. With the check on, JAX would already
+    # sum those of the replicated (P()) parameters, and the psum would add them again.
+    specs = dict(in_specs=(P(), P(None, "devices")), out_specs=(P(), P()))
+    return jax.jit(jax.shard_map(body, mesh=mesh, **specs, check_vma=False))
 
 class ParamStore:
-    """The newest parameters on each actor device and their version (updates made)."""
+    """The parameters back: the newest version (updates made) on each actor device, waited for."""
 
     def __init__(self, devices):
-        self.cond, self.devices, self.version, self.params = threading.Condition(), devices, -1, None
+        self.cond, self.devices = threading.Condition(), devices
+        self.version, self.params = -1, None
 
     def publish(self, version, params):
-        params = {d: jax.device_put(local(params), d) for d in self.devices}
+        params = {d: jax.device_put(local(params), d) for d in self.devices}  # where `act` will run
         with self.cond:
             self.version, self.params = version, params
             self.cond.notify_all()
@@ -428,198 +621,28 @@ class ParamStore:
             self.cond.wait_for(lambda: self.version >= min_version)
             return self.version, self.params
 
-# The policy lag. Rollout u of an actor thread (u = 0, 1, ...) feeds update u + 1 and acts with
-# the newest version published, at least u - 1 (version v: the parameters after v updates). So
-# while the learners compute update u from rollout u - 1, the actors collect rollout u with
-# version u - 1: one update behind (stats/param_lag); decoupled PPO corrects for it.
-# --no-policy-lag: rollout u waits for u.
 
-def actor(args, index, device, learners, store, rollouts, updates):
-    """Actor thread `index` of all hosts' makes rollout u for each u in `updates`."""
-    groups, states = start_groups(args, index, device, updates.start)
-    for u in updates:
-        version, params = store.wait(u - int(args.policy_lag))
-        stats = ActorStats(returns=[], lengths=[], lag=u - version, seconds=defaultdict(float))
-        with timer(stats.seconds, "rollout_time"):
-            rollout, states = collect(args, groups, params[device], states, stats)
-            split = lambda k: jax.tree.map(lambda x: np.split(x, len(learners), axis=1)[k], rollout)
-            pieces = [jax.device_put(split(k), d) for k, d in enumerate(learners)]  # on learner k
-        rollouts.put((pieces, stats))
+# ---- Metrics, this script's flags, and the run
 
-def start_actors(args, layout, store, start_update, num_updates):
-    """This host's actor threads, a queue each."""
-    def crash(hook):  # a raise ends the run, or the learner would wait forever
-        traceback.print_exception(hook.exc_type, hook.exc_value, hook.exc_traceback)
-        os._exit(1)
-
-    threading.excepthook = crash
-    num_threads = len(layout.actor_devices) * args.num_actor_threads
-    queues = [queue.Queue(maxsize=1) for _ in range(num_threads)]
-    for i, rollouts in enumerate(queues):
-        index = jax.process_index() * num_threads + i
-        device = layout.actor_devices[i // args.num_actor_threads]
-        threading.Thread(target=actor, name=f"actor{i}", daemon=True, args=(args, index, device,
-                         layout.learner_devices, store, rollouts, range(start_update, num_updates))).start()
-    return queues
-
-
-# ---- Learning (learner devices): a PPO update, one compiled call
-
-class TrainState(NamedTuple):
-    params: dict
-    opt_state: optax.OptState
-    key: jax.Array  # alike on all learners
-
-def learning_rate(args, num_updates, update_index):  # from 0
-    return args.learning_rate * (1.0 - update_index / num_updates if args.anneal_lr else 1.0)
-
-def make_optimizer(args, num_updates):
-    """Adam; the step size decays per update, not per gradient step."""
-    grad_steps_per_update = args.update_epochs * args.num_minibatches
-    lr = lambda count: learning_rate(args, num_updates, count // grad_steps_per_update)
-    return optax.chain(optax.clip_by_global_norm(args.max_grad_norm), optax.adam(lr, eps=1e-5))
-
-def init_state(key, args, env_info, num_updates):
-    k_params, k_learn = jax.random.split(key)
-    params = init_params(k_params, env_info.obs_shape, env_info.num_actions)
-    return TrainState(params=params, opt_state=make_optimizer(args, num_updates).init(params), key=k_learn)
-
-def logp_prox_of(params, samples, chunks):
-    """log pi_prox of each sample, in `chunks` to bound memory."""
-    split = lambda x: x.reshape(chunks, -1, *x.shape[1:])
-    logp_of = lambda chunk: log_prob(apply(params, chunk[0])[0], chunk[1])
-    return jax.lax.map(logp_of, (split(samples.obs), split(samples.actions))).reshape(-1)
-
-def learner_update(state, rollout, args, optimizer):
-    """A PPO update from this learner's share [T, E_l, ...] of the rollouts (in shard_map)."""
-    r = rollout
-    advantages = gae(r.rewards, r.values, r.terminated, r.ended, args.gamma, args.gae_lambda)
-    samples = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), Samples(  # [T, E_l, ...] -> [N, ...]
-        obs=r.obs, actions=r.actions, logp_mu=r.logp_mu, values=r.values[:-1], advantages=advantages,
-        returns=advantages + r.values[:-1], valid=r.valid))
-    params, opt_state, key = state
-    samples = samples._replace(logp_prox=logp_prox_of(params, samples, args.num_minibatches))
-    losses = []
-    # Python loops, not lax.scan: on XLA:CPU a conv's gradient inside a scan runs ~20x slower
-    # (https://github.com/google/jax/issues/12868).
-    for _ in range(args.update_epochs):
-        key, sub = jax.random.split(key)
-        order = jax.random.permutation(sub, samples.actions.shape[0]).reshape(args.num_minibatches, -1)
-        for idx in order:
-            mb = jax.tree.map(lambda x: x[idx], samples)
-            grads, mb_losses = jax.grad(ppo_loss, has_aux=True)(params, mb, args, "devices")
-            grads = jax.lax.psum(grads, "devices")  # shares add to the mean's gradient
-            updates, opt_state = optimizer.update(grads, opt_state, params)
-            params = optax.apply_updates(params, updates)
-            losses.append(jax.lax.psum(mb_losses, "devices"))
-    mean = jax.tree.map(lambda *x: jnp.stack(x).mean(), *losses)
-    mean = mean._replace(clipfrac_first=losses[0].clipfrac_first)
-    return TrainState(params=params, opt_state=opt_state, key=key), mean
-
-def make_update(args, mesh, num_updates):
-    body = partial(learner_update, args=args, optimizer=make_optimizer(args, num_updates))
-    # check_vma=False: the body psums the gradients itself; with the check, JAX would already
-    # have summed those of the replicated (P()) parameters.
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P(None, "devices")), out_specs=(P(), P()),
-                                 check_vma=False))
-
-
-# ---- The device mapping
-
-class Layout(NamedTuple):
-    actor_devices: list  # this host's
-    learner_devices: list  # this host's, in mesh order
-    mesh: Mesh  # all hosts' learner devices, axis "devices"
-    num_envs: int  # of all hosts
-
-def pick_devices(args):
-    n = jax.local_device_count()
-    actors = args.actor_device_ids or [0]
-    learners = args.learner_device_ids or ([i for i in range(n) if i not in actors] or [0])
-    for flag, ids in (("--actor-device-ids", actors), ("--learner-device-ids", learners)):
-        if not all(0 <= i < n for i in ids) or len(set(ids)) < len(ids):
-            fail(f"{flag} {ids}: give distinct indices in 0..{n - 1}")
-    if n > 1 and set(actors) & set(learners):
-        fail(f"--learner-device-ids {learners} share a device with --actor-device-ids {actors}")
-    hosts = [[d for d in jax.devices() if d.process_index == p] for p in range(jax.process_count())]
-    mesh = Mesh(np.array([host[i] for host in hosts for i in learners]), ("devices",))
-    mine = hosts[jax.process_index()]
-    num_envs = jax.process_count() * len(actors) * args.num_actor_threads * args.local_num_envs
-    return Layout(actor_devices=[mine[i] for i in actors], learner_devices=[mine[i] for i in learners], mesh=mesh,
-                  num_envs=num_envs)
-
-def assemble(pieces, mesh):
-    """The global Rollout [T, all envs, ...]: learner k's shard joins each thread's piece k."""
-    shards = [jax.tree.map(lambda *x: jnp.concatenate(x, axis=1), *pieces_k) for pieces_k in zip(*pieces)]
-    sharding = NamedSharding(mesh, P(None, "devices"))
-
-    def whole(first, *rest):
-        shape = (first.shape[0], first.shape[1] * mesh.size, *first.shape[2:])
-        return jax.make_array_from_single_device_arrays(shape, sharding, [first, *rest])
-
-    return jax.tree.map(whole, *shards)
-
-def local(tree):
-    """This host's copy of replicated global arrays."""
-    return jax.tree.map(lambda x: x.addressable_shards[0].data, tree)
-
-
-# ---- The learner loop (main thread)
-
-def learn(args, layout, run, store, queues, state, start_update, num_updates):
-    """Take rollouts, update, publish, log, checkpoint."""
-    update_fn, batch = make_update(args, layout.mesh, num_updates), args.num_steps * layout.num_envs
-    window, start = [], time.perf_counter()  # since the last row: an update's (Losses, timings, stats)
-    for update in range(start_update + 1, num_updates + 1):
-        seconds = defaultdict(float)
-        with timer(seconds, "learner_queue_wait"):
-            received = [rollouts.get() for rollouts in queues]  # rollout update - 1 of each thread
-        with timer(seconds, "learner_time"):
-            state, losses = update_fn(state, assemble([pieces for pieces, _ in received], layout.mesh))
-            store.publish(update, state.params)
-            losses = jax.device_get(local(losses))
-        window.append((losses, seconds, [stats for _, stats in received]))
-        if update % args.log_every == 0 or update in (start_update + 1, num_updates):
-            row = report(args, run, window, time.perf_counter() - start, update, batch)
-            window, start = [], time.perf_counter()
-        checkpoint = lambda: {"state": jax.device_get(local(state)), "update": np.int64(update),
-                              "global_step": np.int64(update * batch)}
-        safe_point(args, run, update, update % args.checkpoint_every == 0 or update == num_updates, checkpoint)
-    return state, row
-
-def report(args, run, window, seconds, update, batch):
-    """CleanRL's metrics, and Cleanba's timings (mean seconds)."""
+def report(args, run, window, elapsed, update, batch_size):
+    """CleanRL's metrics and Cleanba's timings (mean seconds) over the updates in `window`."""
     mean = lambda xs: float(np.mean(xs))
-    losses, learner, actors = zip(*window)
-    actors = [stats for update_stats in actors for stats in update_stats]
-    row = {"global_step": update * batch, "update": update, "charts/SPS": len(window) * batch / seconds,
-           "charts/learning_rate": learning_rate(args, run.num_updates, update - 1),  # the last update's
-           "stats/param_lag": max(stats.lag for stats in actors)}
+    losses, learner_timings, actor_stats = zip(*window)
+    actor_stats = [stats for update_stats in actor_stats for stats in update_stats]
+    row = {"global_step": update * batch_size, "update": update,
+           "charts/SPS": len(window) * batch_size / elapsed,
+           "charts/learning_rate": annealed_lr(args, run.num_updates, update - 1),  # the last one's
+           "stats/param_lag": max(stats.lag for stats in actor_stats)}
     for name, values in zip(Losses._fields, zip(*losses)):
         row[f"losses/{name}"] = mean(values)
-    for timings in (learner, [stats.seconds for stats in actors]):
+    for timings in (learner_timings, [stats.timings for stats in actor_stats]):
         for name in timings[0]:
             row[f"stats/{name}"] = mean([t[name] for t in timings])
-    if returns := [r for stats in actors for r in stats.returns]:
+    if returns := [r for stats in actor_stats for r in stats.returns]:
         row["charts/episodic_return"] = mean(returns)
-        row["charts/episodic_length"] = mean([n for stats in actors for n in stats.lengths])
+        row["charts/episodic_length"] = mean([n for stats in actor_stats for n in stats.lengths])
     log(run, row)
     return row
-
-def initial_state(args, env_info, layout, num_updates):
-    """The replicated TrainState, new or --resume's, and its update."""
-    init = partial(init_state, jax.random.PRNGKey(args.seed), args, env_info, num_updates)
-    ckpt = args.resume and load(args, {"state": jax.eval_shape(init), "update": np.int64(0),
-                                       "global_step": np.int64(0)})
-    if ckpt and ckpt["update"] >= num_updates:
-        fail(f"--resume {args.resume}: its run has done all {num_updates} updates (raise --total-timesteps)")
-    replicated = NamedSharding(layout.mesh, P())
-    state = jax.tree.map(lambda a: jax.make_array_from_callback(a.shape, replicated, lambda i: a[i]),
-                         ckpt["state"] if ckpt else jax.device_get(init()))
-    return state, int(ckpt["update"]) if ckpt else 0
-
-
-# ---- This script's flags
 
 def check_args(args):
     env_info = describe_env(args.env_id, args.machado)
@@ -637,35 +660,34 @@ def check_sizes(args, layout):
         fail(f"--local-num-envs {args.local_num_envs} must divide among {n_learners} learners")
     if args.async_envs and args.local_num_envs % 2:
         fail(f"--local-num-envs {args.local_num_envs} must be even with --async-envs")
-    batch = args.num_steps * layout.num_envs
-    if args.total_timesteps < batch:
-        fail(f"--total-timesteps {args.total_timesteps} is less than one update ({batch:,} steps)")
-    if (batch // layout.mesh.size) % args.num_minibatches:
+    batch_size = args.num_steps * layout.num_envs
+    if args.total_timesteps < batch_size:
+        fail(f"--total-timesteps {args.total_timesteps} is less than one update ({batch_size:,} steps)")
+    if (batch_size // layout.mesh.size) % args.num_minibatches:
         fail(f"--num-minibatches {args.num_minibatches} must divide a learner's samples")
-    return batch
+    return batch_size
 
 def note_a_cpu_learner(args, env_info, layout):
-    """A CPU learner with the Nature CNN runs for days: name the recipe that runs in hours."""
+    """A CPU learner with the Nature CNN runs for days: name a recipe for hours."""
     if layout.learner_devices[0].platform == "cpu" and cnn_for(env_info.obs_shape) == NATURE:
         print("note: the learner is a CPU, where 4 epochs of the Nature CNN train about 190 steps/s (2 cores); "
               "README's CPU recipe: --num-actor-threads 1 --local-num-envs 8 --num-steps 32 --update-epochs 2 "
               "--no-anneal-lr --log-every 8", flush=True)
 
-
-# ---- The run
-
 def main(args):
     start(args)
     args, env_info = check_args(args)
     layout = pick_devices(args)
-    batch = check_sizes(args, layout)
+    batch_size = check_sizes(args, layout)
     note_a_cpu_learner(args, env_info, layout)
-    num_updates = args.total_timesteps // batch
+    num_updates = args.total_timesteps // batch_size
     state, start_update = initial_state(args, env_info, layout, num_updates)
     run = open_run(args, start_update, num_updates)
     (store := ParamStore(layout.actor_devices)).publish(start_update, state.params)
     queues = start_actors(args, layout, store, start_update, num_updates)
-    try:  # a stop exits at once: a normal exit aborts if a thread is in envpool
+    # A stop (a signal, a diverged run) exits with os._exit, skipping Python's shutdown, which
+    # aborts the process if an actor thread is inside envpool.
+    try:
         state, row = learn(args, layout, run, store, queues, state, start_update, num_updates)
     except SystemExit as stop:
         os._exit(stop.code)

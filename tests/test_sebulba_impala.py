@@ -300,7 +300,7 @@ def test_episode_scores_are_unclipped_and_span_the_whole_game(impala, async_envs
     params = impala.init_params(jax.random.PRNGKey(0), env.obs_shape, env.num_actions, "shallow")
     groups, states = impala.start_groups(args, 0, jax.devices()[0], 0)
     assert len(groups) == (2 if async_envs else 1)
-    stats = impala.ActorStats(returns=[], lengths=[], lag=0, seconds=defaultdict(float))
+    stats = impala.ActorStats(returns=[], lengths=[], lag=0, timings=defaultdict(float))
     rollout, _ = impala.collect(args, groups, params, states, stats)
     replay = envpool.make(args.env_id, env_type="gymnasium", num_envs=n, seed=3, **impala.atari_kwargs(False))
     replay.reset()

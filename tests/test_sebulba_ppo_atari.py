@@ -211,7 +211,7 @@ def test_collect_returns_unclipped_whole_game_scores_and_marks_autoreset_steps(p
     params = ppo.init_params(jax.random.PRNGKey(0), (4, 84, 84), 4)
     groups, states = ppo.start_groups(args, 0, jax.devices()[0], 0)
     assert len(groups) == (2 if async_envs else 1)
-    stats = ppo.ActorStats(returns=[], lengths=[], lag=0, seconds=defaultdict(float))
+    stats = ppo.ActorStats(returns=[], lengths=[], lag=0, timings=defaultdict(float))
     rollout, _ = ppo.collect(args, groups, params, states, stats)
     assert rollout.values.shape == (601, 2) and rollout.obs.shape == (600, 2, 4, 84, 84)
 
