@@ -81,6 +81,20 @@ def wait_for_main(proc):
         time.sleep(0.001)
 
 
+def stop_a_run(script, flags, folder, signum, wait=lambda proc: None):
+    """Start `script` in `folder`, send `signum` once `main` has started and `wait(proc)` has returned,
+    and let the run end: (exit status, output)."""
+    proc = spawn(script, [*flags, "--run-dir", folder / "runs"], folder)
+    try:
+        wait_for_main(proc)
+        wait(proc)
+        proc.send_signal(signum)
+        output = proc.communicate(timeout=300)[0]
+    finally:
+        proc.kill()
+    return proc.returncode, output
+
+
 @pytest.fixture(scope="module")
 def stopped_early(tmp_path_factory):
     """Each script sent SIGTERM the moment `main` starts (before anything is compiled):
@@ -90,14 +104,8 @@ def stopped_early(tmp_path_factory):
     def get(script):
         if script not in cache:
             folder = tmp_path_factory.mktemp(script.removesuffix(".py"))
-            proc = spawn(script, [*quick(script), "--run-dir", folder / "runs"], folder)
-            try:
-                wait_for_main(proc)
-                proc.send_signal(signal.SIGTERM)
-                output = proc.communicate(timeout=300)[0]
-            finally:
-                proc.kill()
-            cache[script] = (proc.returncode, output, next((folder / "runs").glob("*/checkpoint.npz"), None))
+            returncode, output = stop_a_run(script, quick(script), folder, signal.SIGTERM)
+            cache[script] = (returncode, output, next((folder / "runs").glob("*/checkpoint.npz"), None))
         return cache[script]
 
     return get
@@ -126,19 +134,15 @@ START_UP = {"anakin_catch.py": 600_000, "sebulba_impala.py": 20_000}
 def test_a_ctrl_c_during_start_up_stops_the_run_at_its_first_safe_point(tmp_path, script, moment):
     # Sent while the script sets up, compiles or runs its first update: before issue 60, JAX ignored the
     # KeyboardInterrupt in most such tries and the run trained to its end.
-    budget = START_UP[script]
-    proc = spawn(script, [*quick(script, budget=budget), "--run-dir", tmp_path / "runs"], tmp_path)
-    try:
-        wait_for_main(proc)
+    def wait(proc):
         if moment == "after the first progress line":
             next(line for line in proc.stdout if line.startswith("update "))
         else:
             time.sleep({"at once": 0, "0.5 s later": 0.5, "2 s later": 2}[moment])
-        proc.send_signal(signal.SIGINT)
-        output = proc.communicate(timeout=300)[0]
-    finally:
-        proc.kill()
-    assert proc.returncode == 130 and "checksum" not in output, output[-3000:]
+
+    budget = START_UP[script]
+    returncode, output = stop_a_run(script, quick(script, budget=budget), tmp_path, signal.SIGINT, wait)
+    assert returncode == 130 and "checksum" not in output, output[-3000:]
     stopped = int(re.search(r"^stopped by SIGINT after update (\d+); --resume .+ to go on$", output, re.M)[1])
     assert 1 <= stopped < budget // QUICK[script][1]
 
@@ -146,14 +150,8 @@ def test_a_ctrl_c_during_start_up_stops_the_run_at_its_first_safe_point(tmp_path
 def test_a_signal_during_the_last_call_exits_with_its_status_after_the_final_checkpoint(tmp_path):
     # One compiled call makes all 10 updates, so a SIGTERM sent as `main` starts is still pending at its end.
     flags = [*quick("anakin_catch.py", budget=10 * QUICK["anakin_catch.py"][1]), "--log-every", 10]
-    proc = spawn("anakin_catch.py", [*flags, "--run-dir", tmp_path / "runs"], tmp_path)
-    try:
-        wait_for_main(proc)
-        proc.send_signal(signal.SIGTERM)
-        output = proc.communicate(timeout=300)[0]
-    finally:
-        proc.kill()
-    assert proc.returncode == 143 and "checksum" not in output, output[-3000:]
+    returncode, output = stop_a_run("anakin_catch.py", flags, tmp_path, signal.SIGTERM)
+    assert returncode == 143 and "checksum" not in output, output[-3000:]
     ckpt = next((tmp_path / "runs").glob("*/checkpoint.npz"))
     assert f"stopped by SIGTERM after update 10; --resume {ckpt} to go on" in output, output[-3000:]
     with np.load(ckpt, allow_pickle=False) as f:
