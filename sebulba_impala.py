@@ -60,7 +60,7 @@ class Args:
     total_timesteps: int | None = None  # agent steps, all hosts (images 10M, vectors 300k)
     learning_rate: float | None = None  # RMSProp step size (images 6e-4, vectors 5e-3)
     anneal_lr: bool = True  # decay the step size linearly to 0
-    actor_device_ids: list[int] | None = None  # local device indices that act (default: 0)
+    actor_device_ids: list[int] | None = None  # local devices that act (default: 0)
     learner_device_ids: list[int] | None = None  # local devices that learn (default: others, or 0)
     num_actor_threads: int = 2  # per actor device: one steps envs while another acts
     local_num_envs: int = 16  # envs per actor thread
@@ -77,18 +77,18 @@ class Args:
     machado: bool = False  # Atari as Machado et al. (2018): sticky actions, all 18, no life loss
     log_every: int | None = None  # updates between metrics rows (images 10, vectors 40)
     checkpoint_every: int = 100  # updates between checkpoints (and one at the end)
-    # Flags of the plumbing appendix at the end:
+    # The plumbing appendix's flags:
     exp_name: str = Path(__file__).stem  # part of the run folder's name
     run_dir: str = "runs"  # parent folder of run folders
     resume: str | None = None  # a checkpoint.npz to continue from
     distributed: bool = False  # call jax.distributed.initialize() (multi-host)
     coordinator_address: str | None = None  # host:port of process 0 (or JAX detects it)
-    num_processes: int | None = None  # number of processes
+    num_processes: int | None = None  # processes in all (multi-host)
     process_id: int | None = None  # this process's index
 
 
-# The flags left at None. Images: the IMPALA paper's (appendix G). Vectors: larger steps, as
-# RMSProp moves a weight about one step size an update and CartPole's values reach 100.
+# Flags left at None. Images: the IMPALA paper's (appendix G); vectors: larger steps, as RMSProp
+# moves a weight about a step size an update and CartPole's values reach 100.
 DEFAULTS = {"image": dict(total_timesteps=10_000_000, learning_rate=6e-4, num_steps=20,
                           rmsprop_eps=0.01, network="deep", log_every=10),
             "vector": dict(total_timesteps=300_000, learning_rate=5e-3, num_steps=16,
@@ -120,7 +120,7 @@ def describe_env(env_id, machado):
         source, atari = "gymnasium", False
         try:  # the module registers `name` with gymnasium
             importlib.import_module(module) if module else None
-        except Exception as e:  # a missing module, a syntax error or its own raise
+        except Exception as e:  # whatever the import raised
             fail(f"--env-id {env_id!r}: module {module!r} does not import ({type(e).__name__}: {e})")
         if name not in gym.registry:
             fail(f"--env-id {env_id!r}: no such envpool or gymnasium environment")
@@ -135,7 +135,7 @@ def describe_env(env_id, machado):
     return EnvInfo(obs_shape=tuple(shape), num_actions=int(act_space.n), source=source, atari=atari)
 
 class Envs(NamedTuple):  # a batch of envs stepped together
-    pool: object  # a vector env
+    pool: object
     env_info: EnvInfo
     seed: int  # env i's: seed + i
 
@@ -143,9 +143,8 @@ def make_envs(args, num_envs, seed):
     env_info = describe_env(args.env_id, args.machado)
     if env_info.source == "gymnasium":
         pool = gym.make_vec(args.env_id.rpartition(":")[2], num_envs, vectorization_mode="sync")
-    else:  # all env batches' worker threads share the host's cores
+    else:  # all env batches' threads share the cores this process may use (Linux alone can say)
         batches = len(args.actor_device_ids or [0]) * args.num_actor_threads * (1 + args.async_envs)
-        # The cores this process may use: Linux can say (a container's share), macOS and Windows not.
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
         threads = min(num_envs, max(1, cores // batches))
         pool = envpool.make(args.env_id, env_type="gymnasium", num_envs=num_envs, seed=seed,
@@ -161,8 +160,8 @@ def env_reset(envs):
     return host_obs(obs, envs.env_info)
 
 # The reset step: envpool and gymnasium reset an env on the step after its episode ends; that step
-# ignores the action and only returns the next episode's first observation. It is no move, so the
-# actor marks it `valid` 0: the loss and the game lengths leave it out.
+# ignores the action and returns the next episode's first observation. It is no move, so the
+# actor marks it `valid` 0: the loss and game lengths leave it out.
 
 class Step(NamedTuple):  # Atari: a lost life ends a training episode; the last life's, the game
     obs: np.ndarray  # [E, *obs_shape]
@@ -182,7 +181,7 @@ def env_step(envs, actions, sent=False):
     else:
         obs, reward, terminated, truncated, info = envs.pool.step(actions)
     score, game_over = reward, terminated | truncated
-    if envs.env_info.atari:  # the whole game's, not the training episode's
+    if envs.env_info.atari:
         score, game_over = info["reward"], info["terminated"].astype(bool) | truncated
     return Step(obs=host_obs(obs, envs.env_info), reward=reward.astype(np.float32),
                 terminated=terminated, ended=terminated | truncated, score=score, game_over=game_over)
@@ -200,8 +199,7 @@ def conv_init(key, c_in, c_out, size=3):
     return {"w": jax.nn.initializers.he_normal()(key, (size, size, c_in, c_out)), "b": jnp.zeros(c_out)}
 
 def init_params(key, obs_shape, num_actions, network):
-    # Layer i takes key i of 32. split(key, n)[i] is the same for any n > i, so 32 need only
-    # exceed the number of layers.
+    # Layer i takes key i of 32; any count above the layers' gives the same keys.
     keys, torso = iter(jax.random.split(key, 32)), {}
     if network == "mlp":
         for head in ("policy", "value"):  # two MLPs: in one, the value's gradients swamp the policy's
@@ -214,8 +212,7 @@ def init_params(key, obs_shape, num_actions, network):
             for i, c in enumerate(IMPALA_CHANNELS):
                 stack = torso[f"stack{i}"] = {"conv": conv_init(next(keys), c_in, c)}
                 for j in range(2):
-                    stack[f"block{j}"] = {"conv0": conv_init(next(keys), c, c),
-                                          "conv1": conv_init(next(keys), c, c)}
+                    stack[f"block{j}"] = {"conv0": conv_init(next(keys), c, c), "conv1": conv_init(next(keys), c, c)}
                 c_in, h, w = c, (h + 1) // 2, (w + 1) // 2  # the max-pool ("SAME", stride 2)
         else:
             for i, (c, size, stride) in enumerate(SHALLOW_CONVS):
@@ -278,8 +275,8 @@ class VTrace(NamedTuple):
 
 def vtrace(values, rewards, discounts, rhos, valid, lambda_):
     """V-trace targets by the paper's recursion v_s - V(x_s) = delta_s + gamma_s c_s (v_{s+1} -
-    V(x_{s+1})). values [T+1, E], the rest [T, E]. A truncated episode's last step bootstraps from
-    its last observation x_{t+1}; a reset step (valid 0) adds nothing and ends the recursion."""
+    V(x_{s+1})). values [T+1, E], the rest [T, E]. A truncation bootstraps from x_{t+1}; a reset
+    step (valid 0) adds nothing and ends the recursion."""
     clipped_rhos = jnp.minimum(1.0, rhos)
     cs = lambda_ * clipped_rhos
     deltas = valid * clipped_rhos * (rewards + discounts * values[1:] - values[:-1])
@@ -306,9 +303,9 @@ class Losses(NamedTuple):
 def impala_loss(params, rollout, args):
     """Summed over this learner's valid steps, as in the IMPALA paper: with RMSProp's epsilon 0.01
     a mean's gradients (T x E times smaller) would be swamped. A psum adds the learners' sums into
-    the global batch's: add a term as a sum too, as a local .mean() would count once per learner."""
+    the global batch's, where a local .mean() would count once per learner."""
     logits, values = apply(params, rollout.obs, args.network)  # [T+1, E, A], [T+1, E]
-    logp_taken = log_prob(logits[:-1], rollout.actions)  # log pi; the rhos pi / mu undo the lag
+    logp_taken = log_prob(logits[:-1], rollout.actions)  # log pi
     rhos = jnp.exp(logp_taken - log_prob(rollout.logits, rollout.actions))
     discounts = args.gamma * (1.0 - rollout.terminated)
     targets = vtrace(values, rollout.rewards, discounts, rhos, rollout.valid, args.vtrace_lambda)
@@ -316,11 +313,10 @@ def impala_loss(params, rollout, args):
     value_loss = 0.5 * jnp.sum(rollout.valid * (targets.vs - values[:-1]) ** 2)
     entropy_sum = jnp.sum(rollout.valid * entropy(logits[:-1]))
     loss = policy_loss + args.vf_coef * value_loss - args.ent_coef * entropy_sum
-    return loss, Losses(loss=loss, policy_loss=policy_loss, value_loss=value_loss,
-                        entropy=entropy_sum)
+    return loss, Losses(loss=loss, policy_loss=policy_loss, value_loss=value_loss, entropy=entropy_sum)
 
 
-# ---- The optimizer and the state it updates
+# ---- The optimizer and its state
 
 class TrainState(NamedTuple):
     params: dict
@@ -330,9 +326,9 @@ def annealed_lr(args, num_updates, update_index):  # update_index counts from 0
     return args.learning_rate * (1.0 - update_index / num_updates if args.anneal_lr else 1.0)
 
 def make_optimizer(args, num_updates):
-    """RMSProp as torchbeast and Cleanba run it: decay 0.99, the IMPALA paper's (optax's default is
-    0.9), and epsilon outside the root. Inside it (the paper's and optax's way) 0.01 floors the
-    denominator at 0.1 and the policy barely moves."""
+    """RMSProp as torchbeast and Cleanba run it: the paper's decay 0.99 (optax's default: 0.9), and
+    epsilon outside the root. Inside it (the paper's and optax's way) 0.01 floors the denominator
+    at 0.1 and the policy barely moves."""
     lr = lambda count: annealed_lr(args, num_updates, count)
     return optax.chain(optax.clip_by_global_norm(args.max_grad_norm),
                        optax.rmsprop(lr, decay=0.99, eps=args.rmsprop_eps, eps_in_sqrt=False))
@@ -342,7 +338,7 @@ def init_state(key, args, env_info, num_updates):
     return TrainState(params=params, opt_state=make_optimizer(args, num_updates).init(params))
 
 
-# ---- One rollout's path, with every device placement on it, in the order its data flows
+# ---- One rollout's path, device placements included, as its data flows
 #
 # The policy lag. Rollout u of an actor thread (u = 0, 1, ...) feeds update u + 1 and acts with
 # the newest version published, at least u - 1 (version v: the parameters after v updates). So
@@ -352,12 +348,11 @@ def init_state(key, args, env_info, num_updates):
 class Layout(NamedTuple):
     actor_devices: list  # this host's
     learner_devices: list  # this host's, in mesh order
-    mesh: Mesh  # all hosts' learner devices along one axis, "devices"
+    mesh: Mesh  # all hosts' learners along a named axis, "devices" (a Mesh may have several)
     num_envs: int  # of all hosts
 
 def pick_devices(args):
-    """The devices that act and learn. The learners form a Mesh, devices along named axes (here
-    one, "devices"): shard_map runs a function on each of them, and psum adds across them."""
+    """The devices that act and learn."""
     n = jax.local_device_count()
     actors = args.actor_device_ids or [0]
     learners = args.learner_device_ids or ([i for i in range(n) if i not in actors] or [0])
@@ -374,12 +369,12 @@ def pick_devices(args):
                   learner_devices=[mine[i] for i in learners], mesh=mesh, num_envs=num_envs)
 
 def initial_state(args, env_info, layout, num_updates):
-    """The TrainState, new or --resume's, a copy on every learner, and its update. A jax.Array can
-    span devices, its sharding saying which part each holds (P(): all of it). The callback gives
-    each of this host's devices its part (index i): a host can place data only on its own."""
+    """The replicated TrainState (new or --resume's) and its update. A jax.Array may span devices;
+    its sharding says which part each holds (P(): all). The callback gives each of this host's
+    devices its part (index i): a host can place data only on its own."""
     init = partial(init_state, jax.random.PRNGKey(args.seed), args, env_info, num_updates)
-    ckpt = args.resume and load(args, {"state": jax.eval_shape(init), "update": np.int64(0),
-                                       "global_step": np.int64(0)})
+    template = {"state": jax.eval_shape(init), "update": np.int64(0), "global_step": np.int64(0)}
+    ckpt = args.resume and load(args, template)
     if ckpt and ckpt["update"] >= num_updates:
         fail(f"--resume {args.resume}: its run has done all {num_updates} updates (raise --total-timesteps)")
     replicated = NamedSharding(layout.mesh, P())
@@ -391,8 +386,7 @@ def local(tree):
     """This host's copy of a replicated global array."""
     return jax.tree.map(lambda x: x.addressable_shards[0].data, tree)
 
-# jit compiles `act` once per input shape. It runs where its inputs are: the thread's parameters
-# and key, on its actor device.
+# jit compiles `act` once per input shape and runs it where its inputs are: the actor device.
 @partial(jax.jit, static_argnames="network")  # `network` picks code: each value compiles anew
 def act(params, obs, key, network):
     key, sub = jax.random.split(key)
@@ -401,8 +395,7 @@ def act(params, obs, key, network):
     return actions, logits, key
 
 class Rollout(NamedTuple):  # --num-steps steps of E envs
-    # x_0..x_T: the learner computes every value, V(x_T) too. (sebulba_ppo_atari's actor sends them.)
-    obs: np.ndarray  # [T + 1, E, *obs_shape]
+    obs: np.ndarray  # [T + 1, E, *obs_shape]: x_T too, as the learner computes every value
     actions: np.ndarray  # [T, E]
     logits: np.ndarray  # [T, E, A] of the behaviour policy mu
     rewards: np.ndarray  # [T, E]
@@ -412,7 +405,7 @@ class Rollout(NamedTuple):  # --num-steps steps of E envs
 class ActorState(NamedTuple):  # an env group's, carried from step to step
     obs: np.ndarray  # [E, *obs_shape] to act on
     key: jax.Array  # on the actor device
-    ended: np.ndarray  # [E] obs is an episode's last: the next step is a reset step
+    ended: np.ndarray  # [E] obs ends an episode: the next step is a reset step
     game_return: np.ndarray  # [E] (Atari: unclipped)
     game_length: np.ndarray  # [E]
 
@@ -429,7 +422,7 @@ def timer(timings, name):
     timings[name] += time.perf_counter() - began
 
 def start_actors(args, layout, store, start_update, num_updates):
-    """This host's actor threads, each with a queue of one rollout, where a thread ahead waits."""
+    """This host's actor threads, each with a one-rollout queue where a thread ahead waits."""
     def crash(hook):  # a raise ends the run, or the learner would wait forever
         traceback.print_exception(hook.exc_type, hook.exc_value, hook.exc_traceback)
         os._exit(1)
@@ -440,45 +433,45 @@ def start_actors(args, layout, store, start_update, num_updates):
     for i, rollout_queue in enumerate(queues):
         index = jax.process_index() * num_threads + i
         device = layout.actor_devices[i // args.num_actor_threads]
-        threading.Thread(target=actor, name=f"actor{i}", daemon=True, args=(args, index, device,
-                         layout.learner_devices, store, rollout_queue, start_update, num_updates)).start()
+        threading.Thread(target=actor, name=f"actor{i}", daemon=True, args=(
+            args, index, device, layout.learner_devices, store, rollout_queue, start_update, num_updates)).start()
     return queues
 
 def actor(args, index, device, learner_devices, store, rollout_queue, start_update, num_updates):
-    """Actor thread `index` (of all hosts') makes rollouts start_update to num_updates - 1."""
+    """Actor thread `index`, numbered over all hosts' threads."""
     groups, states = start_groups(args, index, device, start_update)
     for u in range(start_update, num_updates):
-        version, params = store.wait(u - 1)  # `ParamStore`, at the end of this section
+        version, params = store.wait(u - 1)  # see `ParamStore` below
         stats = ActorStats(returns=[], lengths=[], lag=u - version, timings=defaultdict(float))
         with timer(stats.timings, "rollout_time"):
             rollout, states = collect(args, groups, params[device], states, stats)
-            # Learner k's share is block k of every array's env axis; device_put copies it there.
-            blocks = [np.split(x, len(learner_devices), axis=1) for x in rollout]  # per field
+            # Learner k's share: block k of each array's env axis, copied there by device_put.
+            blocks = [np.split(x, len(learner_devices), axis=1) for x in rollout]
             shares = [Rollout(*fields) for fields in zip(*blocks)]
             shares = [jax.device_put(share, d) for share, d in zip(shares, learner_devices)]
         rollout_queue.put((shares, stats))
 
 def start_groups(args, index, device, start_update):
-    """Actor thread `index`'s env groups (--async-envs: two halves) and first states."""
+    """The thread's env groups (--async-envs: two halves) and their first states."""
     num_groups = 2 if args.async_envs else 1
     n = args.local_num_envs // num_groups
     groups, states = [], []
     for i in range(index * num_groups, (index + 1) * num_groups):
         groups.append(make_envs(args, n, args.seed + i * n))
-        # Each group, and each resumed run, samples from its own stream.
+        # Each group and each resumed run samples its own stream.
         key = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(args.seed), start_update), 1 + i)
-        states.append(ActorState(obs=env_reset(groups[-1]), key=jax.device_put(key, device), ended=np.zeros(
-            n, bool), game_return=np.zeros(n), game_length=np.zeros(n, int)))
+        states.append(ActorState(obs=env_reset(groups[-1]), key=jax.device_put(key, device),
+            ended=np.zeros(n, bool), game_return=np.zeros(n), game_length=np.zeros(n, int)))
     return groups, states
 
 def collect(args, groups, params, states, stats):
-    """--num-steps steps of each env group: act, step, store. Returns the Rollout and the states."""
-    stored = [[] for _ in groups]  # per group, a dict of [E_g] arrays for each step
+    """--num-steps steps of each env group: act, step, store."""
+    stored = [[] for _ in groups]  # per group, a dict of [E_g] arrays per step
 
     def act_and_send(g):
         with timer(stats.timings, "inference_time"):
             actions, logits, key = act(params, states[g].obs, states[g].key, args.network)
-            actions = np.asarray(actions)  # the logits stay on the device till the end
+            actions = np.asarray(actions)  # the logits stay on the device
         env_send(groups[g], actions)
         stored[g].append(dict(obs=states[g].obs, actions=actions, logits=logits))
         states[g] = states[g]._replace(key=key)
@@ -494,14 +487,14 @@ def collect(args, groups, params, states, stats):
         for _ in range(args.num_steps):
             act_and_send(0)
             step_and_store(0)
-    else:  # --async-envs: two halves; the policy acts for one while envpool steps the other
+    else:  # --async-envs: the policy acts for one half while envpool steps the other
         for t in range(args.num_steps):
             for g in (0, 1):
                 if t > 0:
                     step_and_store(g)
                 act_and_send(g)
         step_and_store(0), step_and_store(1)
-    # Stack each group's steps along time, [T, E_g, ...], then join the groups along the envs.
+    # Stack each group's steps, [T, E_g, ...], then join the groups along the envs.
     by_group = [stack_steps(steps) for steps in stored]
     rollout = {k: np.concatenate([arrays[k] for arrays in by_group], axis=1) for k in by_group[0]}
     last_obs = np.concatenate([state.obs for state in states])  # x_T
@@ -510,21 +503,21 @@ def collect(args, groups, params, states, stats):
 
 def stack_steps(steps):
     """T dicts of [E_g] arrays -> one dict of [T, E_g] arrays."""
-    steps = jax.device_get(steps)  # what is still on the actor device comes in one transfer
+    steps = jax.device_get(steps)  # what is on the actor device comes in one transfer
     return {name: np.stack([step[name] for step in steps]) for name in steps[0]}
 
 def track_games(state, step, stats):
     """The ActorState after `step`; the games that ended go to `stats`."""
     game_return = state.game_return + step.score
-    game_length = state.game_length + np.where(state.ended, 0, 1)  # a reset step is no move
+    game_length = state.game_length + np.where(state.ended, 0, 1)
     over = step.game_over
     stats.returns.extend(game_return[over].tolist())
     stats.lengths.extend(game_length[over].tolist())
-    return ActorState(obs=step.obs, key=state.key, ended=step.ended, game_return=np.where(over, 0.0,
-                      game_return), game_length=np.where(over, 0, game_length))
+    return ActorState(obs=step.obs, key=state.key, ended=step.ended,
+        game_return=np.where(over, 0.0, game_return), game_length=np.where(over, 0, game_length))
 
 def learn(args, layout, run, store, queues, state, start_update, num_updates):
-    """The learner loop (main thread): take each thread's rollout, update, publish, log, save."""
+    """The learner loop, on the main thread."""
     update_fn, batch_size = make_update(args, layout.mesh, num_updates), args.num_steps * layout.num_envs
     window, since = [], time.perf_counter()  # (Losses, timings, stats) of each update since a row
     for update in range(start_update + 1, num_updates + 1):
@@ -541,7 +534,7 @@ def learn(args, layout, run, store, queues, state, start_update, num_updates):
             row = report(args, run, window, time.perf_counter() - since, update, batch_size)
             window, since = [], time.perf_counter()
         checkpoint = lambda: {"state": jax.device_get(local(state)), "update": np.int64(update),
-                              "global_step": np.int64(update * batch_size)}
+            "global_step": np.int64(update * batch_size)}
         due = update % args.checkpoint_every == 0 or update == num_updates
         safe_point(args, run, update, due, checkpoint)
     return state, row
@@ -550,11 +543,11 @@ def assemble(shares, mesh):
     """The global Rollout [T, all envs, ...]: learner k's piece joins each thread's share k, and
     make_array_from_single_device_arrays declares the array those pieces make, without a copy."""
     sharding = NamedSharding(mesh, P(None, "devices"))
-    pieces = []  # learner k's: share k of every thread, joined along the envs
+    pieces = []
     for shares_k in zip(*shares):
         pieces.append(Rollout(*[jnp.concatenate(field, axis=1) for field in zip(*shares_k)]))
 
-    def whole(*field_pieces):  # one field's pieces, first learner first
+    def whole(*field_pieces):  # first learner first
         first = field_pieces[0]
         shape = (first.shape[0], first.shape[1] * mesh.size, *first.shape[2:])
         return jax.make_array_from_single_device_arrays(shape, sharding, list(field_pieces))
@@ -564,7 +557,7 @@ def assemble(shares, mesh):
 def learner_update(state, rollout, args, optimizer):
     """One IMPALA update on a learner's block [T, E_l, ...] of the global rollout (in shard_map)."""
     grads, losses = jax.grad(impala_loss, has_aux=True)(state.params, rollout, args)
-    # psum over the mesh axis "devices" gives each learner the sum over all: all take one step.
+    # psum over "devices" gives every learner the sum over all: all take the same step.
     grads, losses, num_valid = jax.lax.psum((grads, losses, rollout.valid.sum()), "devices")
     changes, opt_state = optimizer.update(grads, state.opt_state, state.params)
     losses = jax.tree.map(lambda x: x / jnp.maximum(num_valid, 1.0), losses)  # per valid step
@@ -572,9 +565,9 @@ def learner_update(state, rollout, args, optimizer):
     return TrainState(params=params, opt_state=opt_state), losses
 
 def make_update(args, mesh, num_updates):
-    """`learner_update` compiled over the mesh. shard_map runs it on each learner with its part of
-    each input: P() all of the TrainState, P(None, "devices") a block of axis 1 (the envs).
-    out_specs P(): the outputs are alike on all learners, as the psum makes them."""
+    """`learner_update` compiled over the mesh: shard_map runs it on each learner with its part of
+    each input, P() all (the TrainState), P(None, "devices") a block of axis 1 (the envs); out_specs
+    P(), as the psum makes the outputs alike."""
     body = partial(learner_update, args=args, optimizer=make_optimizer(args, num_updates))
     # check_vma=False: the body psums the gradients itself. With the check on, JAX would already
     # sum those of the replicated (P()) parameters, and the psum would add them again.
@@ -582,14 +575,14 @@ def make_update(args, mesh, num_updates):
     return jax.jit(jax.shard_map(body, mesh=mesh, **specs, check_vma=False))
 
 class ParamStore:
-    """The parameters back: the newest version (updates made) on each actor device, waited for."""
+    """The parameters back: the newest version on each actor device, waited for."""
 
     def __init__(self, devices):
         self.cond, self.devices = threading.Condition(), devices
         self.version, self.params = -1, None
 
     def publish(self, version, params):
-        params = {d: jax.device_put(local(params), d) for d in self.devices}  # where `act` will run
+        params = {d: jax.device_put(local(params), d) for d in self.devices}
         with self.cond:
             self.version, self.params = version, params
             self.cond.notify_all()
@@ -603,7 +596,7 @@ class ParamStore:
 # ---- Metrics, this script's flags, and the run
 
 def report(args, run, window, elapsed, update, batch_size):
-    """CleanRL's metrics and Cleanba's timings (mean seconds) over the updates in `window`."""
+    """CleanRL's metrics and Cleanba's timings (mean seconds) over `window`'s updates."""
     mean = lambda xs: float(np.mean(xs))
     losses, learner_timings, actor_stats = zip(*window)
     actor_stats = [stats for update_stats in actor_stats for stats in update_stats]
@@ -629,7 +622,7 @@ def check_args(args):
     args = dataclasses.replace(args, **{k: v for k, v in family.items() if getattr(args, k) is None})
     if (args.network == "mlp") == image:
         fail(f"--network {args.network} does not fit {env_info.obs_shape}: mlp takes vectors")
-    # The shallow CNN's "VALID" convs (8x8 stride 4, then 4x4 stride 2) leave no pixel below 20x20.
+    # Its "VALID" convs (8x8 stride 4, then 4x4 stride 2) leave no pixel below 20x20.
     if args.network == "shallow" and min(env_info.obs_shape[1:]) < 20:
         fail(f"--network shallow takes images of 20x20 or more, not {env_info.obs_shape}")
     if args.max_grad_norm <= 0:
@@ -649,12 +642,10 @@ def check_sizes(args, layout):
         fail(f"--total-timesteps {args.total_timesteps} is less than one update ({batch_size:,} steps)")
     return batch_size
 
-def note_a_cpu_learner(args, env_info, layout):
-    """A CPU learner with an Atari-sized image network runs for days: name a recipe for hours."""
-    cpu = layout.learner_devices[0].platform == "cpu"
-    if cpu and args.network == "deep" and min(env_info.obs_shape[1:]) >= 36:
-        print("note: the learner is a CPU, where the deep ResNet trains about 100 steps/s (2 cores); README's "
-              "CPU recipe: --network shallow --num-actor-threads 2 --local-num-envs 1 --num-steps 16", flush=True)
+def note_a_cpu_learner(args, env_info, layout):  # where a run would take days
+    if layout.learner_devices[0].platform == "cpu" and args.network == "deep" and min(env_info.obs_shape[1:]) > 35:
+        print("note: a CPU learner trains the deep ResNet at about 100 steps/s (2 cores); README's CPU recipe: "
+              "--network shallow --num-actor-threads 2 --local-num-envs 1 --num-steps 16", flush=True)
 
 def main(args):
     start(args)
@@ -667,8 +658,8 @@ def main(args):
     run = open_run(args, start_update, num_updates)
     (store := ParamStore(layout.actor_devices)).publish(start_update, state.params)
     queues = start_actors(args, layout, store, start_update, num_updates)
-    # A stop (a signal, a diverged run) exits with os._exit, skipping Python's shutdown, which
-    # aborts the process if an actor thread is inside envpool.
+    # A stop (a signal, a diverged run) exits by os._exit: Python's shutdown would abort the
+    # process if an actor thread is inside envpool.
     try:
         state, row = learn(args, layout, run, store, queues, state, start_update, num_updates)
     except SystemExit as stop:

@@ -57,8 +57,8 @@ class Args:
     total_timesteps: int = 10_000_000  # agent steps, all hosts
     learning_rate: float = 2.5e-4  # Adam step size
     anneal_lr: bool = True  # decay the step size linearly to 0
-    actor_device_ids: list[int] | None = None  # local device indices that act (default: 0)
-    learner_device_ids: list[int] | None = None  # local devices that learn (default: the others or 0)
+    actor_device_ids: list[int] | None = None  # local devices that act (default: 0)
+    learner_device_ids: list[int] | None = None  # local devices that learn (default: others, or 0)
     num_actor_threads: int = 2  # per actor device: one steps envs while another acts
     local_num_envs: int = 16  # envs per actor thread
     async_envs: bool = False  # step half the envs while acting for the other half
@@ -75,13 +75,13 @@ class Args:
     machado: bool = False  # Atari as Machado et al. (2018): sticky actions, all 18, no life loss
     log_every: int = 1  # updates between metrics rows
     checkpoint_every: int = 50  # updates between checkpoints (and one at the end)
-    # Flags of the plumbing appendix at the end:
+    # The plumbing appendix's flags:
     exp_name: str = Path(__file__).stem  # part of the run folder's name
     run_dir: str = "runs"  # parent folder of run folders
     resume: str | None = None  # a checkpoint.npz to continue from
     distributed: bool = False  # call jax.distributed.initialize() (multi-host)
     coordinator_address: str | None = None  # host:port of process 0 (or JAX detects it)
-    num_processes: int | None = None  # number of processes
+    num_processes: int | None = None  # processes in all (multi-host)
     process_id: int | None = None  # this process's index
 
 
@@ -110,7 +110,7 @@ def describe_env(env_id, machado):
         source, atari = "gymnasium", False
         try:  # the module registers `name` with gymnasium
             importlib.import_module(module) if module else None
-        except Exception as e:  # a missing module, a syntax error or its own raise
+        except Exception as e:  # whatever the import raised
             fail(f"--env-id {env_id!r}: module {module!r} does not import ({type(e).__name__}: {e})")
         if name not in gym.registry:
             fail(f"--env-id {env_id!r}: no such envpool or gymnasium environment")
@@ -125,7 +125,7 @@ def describe_env(env_id, machado):
     return EnvInfo(obs_shape=tuple(shape), num_actions=int(act_space.n), source=source, atari=atari)
 
 class Envs(NamedTuple):  # a batch of envs stepped together
-    pool: object  # a vector env
+    pool: object
     env_info: EnvInfo
     seed: int  # env i's: seed + i
 
@@ -133,9 +133,8 @@ def make_envs(args, num_envs, seed):
     env_info = describe_env(args.env_id, args.machado)
     if env_info.source == "gymnasium":
         pool = gym.make_vec(args.env_id.rpartition(":")[2], num_envs, vectorization_mode="sync")
-    else:  # all env batches' worker threads share the host's cores
+    else:  # all env batches' threads share the cores this process may use (Linux alone can say)
         batches = len(args.actor_device_ids or [0]) * args.num_actor_threads * (1 + args.async_envs)
-        # The cores this process may use: Linux can say (a container's share), macOS and Windows not.
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
         threads = min(num_envs, max(1, cores // batches))
         pool = envpool.make(args.env_id, env_type="gymnasium", num_envs=num_envs, seed=seed,
@@ -150,8 +149,8 @@ def env_reset(envs):
     return host_obs(obs, envs.env_info)
 
 # The reset step: envpool and gymnasium reset an env on the step after its episode ends; that step
-# ignores the action and only returns the next episode's first observation. It is no move, so the
-# actor marks it `valid` 0: the loss and the game lengths leave it out.
+# ignores the action and returns the next episode's first observation. It is no move, so the
+# actor marks it `valid` 0: the loss and game lengths leave it out.
 
 class Step(NamedTuple):  # Atari: a lost life ends a training episode; the last life's, the game
     obs: np.ndarray  # [E, *obs_shape]
@@ -171,7 +170,7 @@ def env_step(envs, actions, sent=False):
     else:
         obs, reward, terminated, truncated, info = envs.pool.step(actions)
     score, game_over = reward, terminated | truncated
-    if envs.env_info.atari:  # the whole game's, not the training episode's
+    if envs.env_info.atari:
         score, game_over = info["reward"], info["terminated"].astype(bool) | truncated
     return Step(obs=host_obs(obs, envs.env_info), reward=reward.astype(np.float32),
                 terminated=terminated, ended=terminated | truncated, score=score, game_over=game_over)
@@ -194,8 +193,7 @@ def conv_init(key, c_in, c_out, size):
 
 def init_params(key, obs_shape, num_actions):
     convs, hidden = cnn_for(obs_shape)
-    # Layer i takes key i of 32. split(key, n)[i] is the same for any n > i, so 32 need only
-    # exceed the number of layers.
+    # Layer i takes key i of 32; any count above the layers' gives the same keys.
     keys, torso = iter(jax.random.split(key, 32)), {}
     c_in, (h, w) = obs_shape[0], obs_shape[1:]
     for i, (c, size, stride) in enumerate(convs):
@@ -235,8 +233,7 @@ def entropy(logits):
 # ---- The loss: GAE, PPO's clipped objective (Schulman et al. 2016, 2017), decoupled
 
 def gae(rewards, values, terminated, ended, gamma, lam):
-    """Advantages [T, E]; values [T + 1, E]. A truncation bootstraps from V of its last
-    observation; `ended` cuts the recursion."""
+    """Advantages [T, E] (values [T + 1, E]); a truncation bootstraps, `ended` cuts the recursion."""
     deltas = rewards + gamma * values[1:] * (1.0 - terminated) - values[:-1]
 
     def backward(next_adv, x):
@@ -249,7 +246,7 @@ def gae(rewards, values, terminated, ended, gamma, lam):
     return advantages
 
 def normalize(advantages, valid, axis_name):
-    """Zero mean, unit std over all learners' valid samples: psum adds over the mesh axis "devices"."""
+    """Zero mean, unit std over all learners' valid samples: psum adds over the mesh's learners."""
     n = jax.lax.psum(valid.sum(), axis_name)
     mean = jax.lax.psum((advantages * valid).sum(), axis_name) / n
     var = jax.lax.psum((((advantages - mean) ** 2) * valid).sum(), axis_name) / n
@@ -260,10 +257,10 @@ def clipped_surrogate(ratio, advantages, clip):
     return jnp.maximum(-advantages * ratio, -advantages * jnp.clip(ratio, 1 - clip, 1 + clip))
 
 def decoupled_surrogate(logp, logp_prox, logp_mu, advantages, clip):
-    """Decoupled PPO (Hilton et al. 2021). The actors acted with mu, up to one update old; plain PPO
-    would centre its clip window there. Here the ratio pi / pi_prox is clipped around pi_prox, the
-    learner's parameters at the update's start, and each sample is weighted by pi_prox / mu, not
-    clipped, as in the paper: it stays near 1, and the gradient's norm clip bounds a rare outlier."""
+    """Decoupled PPO (Hilton et al. 2021): pi / pi_prox is clipped around pi_prox, the parameters at
+    the update's start, not around the actors' mu (up to one update old) as in plain PPO. Each
+    sample is weighted by pi_prox / mu, unclipped as in the paper: it stays near 1, and the
+    gradient's norm clip bounds a rare outlier."""
     weight = jax.lax.stop_gradient(jnp.exp(logp_prox - logp_mu))
     ratio = jnp.exp(logp - jax.lax.stop_gradient(logp_prox))
     return weight * clipped_surrogate(ratio, advantages, clip)
@@ -305,15 +302,13 @@ def ppo_loss(params, mb, args, axis_name):
     losses = Losses(
         policy_loss=share(decoupled_surrogate(logp, mb.logp_prox, mb.logp_mu, advantages, args.clip_coef)),
         value_loss=share(clipped_value_loss(values, mb.values, mb.returns, args.clip_coef)),
-        entropy=share(entropy(logits)),
-        approx_kl=share(jax.lax.stop_gradient((ratio - 1) - log_ratio)),
-        clipfrac=share(outside(ratio)),
-        clipfrac_first=share(outside(jnp.exp(logp - mb.logp_mu))))
+        entropy=share(entropy(logits)), approx_kl=share(jax.lax.stop_gradient((ratio - 1) - log_ratio)),
+        clipfrac=share(outside(ratio)), clipfrac_first=share(outside(jnp.exp(logp - mb.logp_mu))))
     loss = losses.policy_loss - args.ent_coef * losses.entropy + args.vf_coef * losses.value_loss
     return loss, losses
 
 
-# ---- The optimizer and the state it updates
+# ---- The optimizer and its state
 
 class TrainState(NamedTuple):
     params: dict
@@ -341,7 +336,7 @@ def logp_prox_of(params, samples, chunks):
     return jax.lax.map(logp_of, (split(samples.obs), split(samples.actions))).reshape(-1)
 
 
-# ---- One rollout's path, with every device placement on it, in the order its data flows
+# ---- One rollout's path, device placements included, as its data flows
 #
 # The policy lag. Rollout u of an actor thread (u = 0, 1, ...) feeds update u + 1 and acts with
 # the newest version published, at least u - 1 (version v: the parameters after v updates). So
@@ -351,12 +346,11 @@ def logp_prox_of(params, samples, chunks):
 class Layout(NamedTuple):
     actor_devices: list  # this host's
     learner_devices: list  # this host's, in mesh order
-    mesh: Mesh  # all hosts' learner devices along one axis, "devices"
+    mesh: Mesh  # all hosts' learners along a named axis, "devices" (a Mesh may have several)
     num_envs: int  # of all hosts
 
 def pick_devices(args):
-    """The devices that act and learn. The learners form a Mesh, devices along named axes (here
-    one, "devices"): shard_map runs a function on each of them, and psum adds across them."""
+    """The devices that act and learn."""
     n = jax.local_device_count()
     actors = args.actor_device_ids or [0]
     learners = args.learner_device_ids or ([i for i in range(n) if i not in actors] or [0])
@@ -373,12 +367,12 @@ def pick_devices(args):
                   learner_devices=[mine[i] for i in learners], mesh=mesh, num_envs=num_envs)
 
 def initial_state(args, env_info, layout, num_updates):
-    """The TrainState, new or --resume's, a copy on every learner, and its update. A jax.Array can
-    span devices, its sharding saying which part each holds (P(): all of it). The callback gives
-    each of this host's devices its part (index i): a host can place data only on its own."""
+    """The replicated TrainState (new or --resume's) and its update. A jax.Array may span devices;
+    its sharding says which part each holds (P(): all). The callback gives each of this host's
+    devices its part (index i): a host can place data only on its own."""
     init = partial(init_state, jax.random.PRNGKey(args.seed), args, env_info, num_updates)
-    ckpt = args.resume and load(args, {"state": jax.eval_shape(init), "update": np.int64(0),
-                                       "global_step": np.int64(0)})
+    template = {"state": jax.eval_shape(init), "update": np.int64(0), "global_step": np.int64(0)}
+    ckpt = args.resume and load(args, template)
     if ckpt and ckpt["update"] >= num_updates:
         fail(f"--resume {args.resume}: its run has done all {num_updates} updates (raise --total-timesteps)")
     replicated = NamedSharding(layout.mesh, P())
@@ -390,8 +384,7 @@ def local(tree):
     """This host's copy of a replicated global array."""
     return jax.tree.map(lambda x: x.addressable_shards[0].data, tree)
 
-# jit compiles `act` once per input shape. It runs where its inputs are: the thread's parameters
-# and key, on its actor device.
+# jit compiles `act` once per input shape and runs it where its inputs are: the actor device.
 @jax.jit
 def act(params, obs, key):
     key, sub = jax.random.split(key)
@@ -400,11 +393,10 @@ def act(params, obs, key):
     return actions, log_prob(logits, actions), values, key
 
 class Rollout(NamedTuple):  # --num-steps steps of E envs
-    # x_0..x_{T-1}: the actor sends the values GAE uses, V(x_T) too (sebulba_impala sends x_T).
     obs: np.ndarray  # [T, E, *obs_shape]
     actions: np.ndarray  # [T, E]
     logp_mu: np.ndarray  # [T, E] the behaviour policy's
-    values: np.ndarray  # [T + 1, E]; the last bootstraps
+    values: np.ndarray  # [T + 1, E]: V(x_T) too, to bootstrap
     rewards: np.ndarray  # [T, E]
     terminated: np.ndarray  # [T, E] 1.0: no bootstrap after step t
     ended: np.ndarray  # [T, E] terminated or truncated
@@ -413,7 +405,7 @@ class Rollout(NamedTuple):  # --num-steps steps of E envs
 class ActorState(NamedTuple):  # an env group's, carried from step to step
     obs: np.ndarray  # [E, *obs_shape] to act on
     key: jax.Array  # on the actor device
-    ended: np.ndarray  # [E] obs is an episode's last: the next step is a reset step
+    ended: np.ndarray  # [E] obs ends an episode: the next step is a reset step
     game_return: np.ndarray  # [E] (Atari: unclipped)
     game_length: np.ndarray  # [E]
 
@@ -430,7 +422,7 @@ def timer(timings, name):
     timings[name] += time.perf_counter() - began
 
 def start_actors(args, layout, store, start_update, num_updates):
-    """This host's actor threads, each with a queue of one rollout, where a thread ahead waits."""
+    """This host's actor threads, each with a one-rollout queue where a thread ahead waits."""
     def crash(hook):  # a raise ends the run, or the learner would wait forever
         traceback.print_exception(hook.exc_type, hook.exc_value, hook.exc_traceback)
         os._exit(1)
@@ -441,40 +433,40 @@ def start_actors(args, layout, store, start_update, num_updates):
     for i, rollout_queue in enumerate(queues):
         index = jax.process_index() * num_threads + i
         device = layout.actor_devices[i // args.num_actor_threads]
-        threading.Thread(target=actor, name=f"actor{i}", daemon=True, args=(args, index, device,
-                         layout.learner_devices, store, rollout_queue, start_update, num_updates)).start()
+        threading.Thread(target=actor, name=f"actor{i}", daemon=True, args=(
+            args, index, device, layout.learner_devices, store, rollout_queue, start_update, num_updates)).start()
     return queues
 
 def actor(args, index, device, learner_devices, store, rollout_queue, start_update, num_updates):
-    """Actor thread `index` (of all hosts') makes rollouts start_update to num_updates - 1."""
+    """Actor thread `index`, numbered over all hosts' threads."""
     groups, states = start_groups(args, index, device, start_update)
     for u in range(start_update, num_updates):
-        version, params = store.wait(u - int(args.policy_lag))  # --no-policy-lag: u; see `ParamStore`
+        version, params = store.wait(u - int(args.policy_lag))  # --no-policy-lag: u; see `ParamStore` below
         stats = ActorStats(returns=[], lengths=[], lag=u - version, timings=defaultdict(float))
         with timer(stats.timings, "rollout_time"):
             rollout, states = collect(args, groups, params[device], states, stats)
-            # Learner k's share is block k of every array's env axis; device_put copies it there.
-            blocks = [np.split(x, len(learner_devices), axis=1) for x in rollout]  # per field
+            # Learner k's share: block k of each array's env axis, copied there by device_put.
+            blocks = [np.split(x, len(learner_devices), axis=1) for x in rollout]
             shares = [Rollout(*fields) for fields in zip(*blocks)]
             shares = [jax.device_put(share, d) for share, d in zip(shares, learner_devices)]
         rollout_queue.put((shares, stats))
 
 def start_groups(args, index, device, start_update):
-    """Actor thread `index`'s env groups (--async-envs: two halves) and first states."""
+    """The thread's env groups (--async-envs: two halves) and their first states."""
     num_groups = 2 if args.async_envs else 1
     n = args.local_num_envs // num_groups
     groups, states = [], []
     for i in range(index * num_groups, (index + 1) * num_groups):
         groups.append(make_envs(args, n, args.seed + i * n))
-        # Each group, and each resumed run, samples from its own stream.
+        # Each group and each resumed run samples its own stream.
         key = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(args.seed), start_update), 1 + i)
-        states.append(ActorState(obs=env_reset(groups[-1]), key=jax.device_put(key, device), ended=np.zeros(
-            n, bool), game_return=np.zeros(n), game_length=np.zeros(n, int)))
+        states.append(ActorState(obs=env_reset(groups[-1]), key=jax.device_put(key, device),
+            ended=np.zeros(n, bool), game_return=np.zeros(n), game_length=np.zeros(n, int)))
     return groups, states
 
 def collect(args, groups, params, states, stats):
-    """--num-steps steps of each env group: act, step, store. Returns the Rollout and the states."""
-    stored = [[] for _ in groups]  # per group, a dict of [E_g] arrays for each step
+    """--num-steps steps of each env group: act, step, store."""
+    stored = [[] for _ in groups]  # per group, a dict of [E_g] arrays per step
 
     def act_and_send(g):
         with timer(stats.timings, "inference_time"):
@@ -495,20 +487,20 @@ def collect(args, groups, params, states, stats):
         for _ in range(args.num_steps):
             act_and_send(0)
             step_and_store(0)
-    else:  # --async-envs: two halves; the policy acts for one while envpool steps the other
+    else:  # --async-envs: the policy acts for one half while envpool steps the other
         for t in range(args.num_steps):
             for g in (0, 1):
                 if t > 0:
                     step_and_store(g)
                 act_and_send(g)
         step_and_store(0), step_and_store(1)
-    # V(x_T) from `act`, whose action is dropped: the next rollout acts on x_T with the parameters
-    # it gets then. One compiled function for both saves a compilation; the key moves on.
+    # V(x_T) from `act` (one compilation, not two), its action dropped: the next rollout acts on
+    # x_T with newer parameters.
     bootstrap = []
     for g, state in enumerate(states):
         _, _, value, key = act(params, state.obs, state.key)
         bootstrap, states[g] = bootstrap + [value], state._replace(key=key)
-    # Stack each group's steps along time, [T, E_g, ...], then join the groups along the envs.
+    # Stack each group's steps, [T, E_g, ...], then join the groups along the envs.
     by_group = [stack_steps(steps) for steps in stored]
     rollout = {k: np.concatenate([arrays[k] for arrays in by_group], axis=1) for k in by_group[0]}
     last_values = np.concatenate(jax.device_get(bootstrap))  # V(x_T)
@@ -517,21 +509,21 @@ def collect(args, groups, params, states, stats):
 
 def stack_steps(steps):
     """T dicts of [E_g] arrays -> one dict of [T, E_g] arrays."""
-    steps = jax.device_get(steps)  # what is still on the actor device comes in one transfer
+    steps = jax.device_get(steps)  # what is on the actor device comes in one transfer
     return {name: np.stack([step[name] for step in steps]) for name in steps[0]}
 
 def track_games(state, step, stats):
     """The ActorState after `step`; the games that ended go to `stats`."""
     game_return = state.game_return + step.score
-    game_length = state.game_length + np.where(state.ended, 0, 1)  # a reset step is no move
+    game_length = state.game_length + np.where(state.ended, 0, 1)
     over = step.game_over
     stats.returns.extend(game_return[over].tolist())
     stats.lengths.extend(game_length[over].tolist())
-    return ActorState(obs=step.obs, key=state.key, ended=step.ended, game_return=np.where(over, 0.0,
-                      game_return), game_length=np.where(over, 0, game_length))
+    return ActorState(obs=step.obs, key=state.key, ended=step.ended,
+        game_return=np.where(over, 0.0, game_return), game_length=np.where(over, 0, game_length))
 
 def learn(args, layout, run, store, queues, state, start_update, num_updates):
-    """The learner loop (main thread): take each thread's rollout, update, publish, log, save."""
+    """The learner loop, on the main thread."""
     update_fn, batch_size = make_update(args, layout.mesh, num_updates), args.num_steps * layout.num_envs
     window, since = [], time.perf_counter()  # (Losses, timings, stats) of each update since a row
     for update in range(start_update + 1, num_updates + 1):
@@ -548,7 +540,7 @@ def learn(args, layout, run, store, queues, state, start_update, num_updates):
             row = report(args, run, window, time.perf_counter() - since, update, batch_size)
             window, since = [], time.perf_counter()
         checkpoint = lambda: {"state": jax.device_get(local(state)), "update": np.int64(update),
-                              "global_step": np.int64(update * batch_size)}
+            "global_step": np.int64(update * batch_size)}
         due = update % args.checkpoint_every == 0 or update == num_updates
         safe_point(args, run, update, due, checkpoint)
     return state, row
@@ -557,11 +549,11 @@ def assemble(shares, mesh):
     """The global Rollout [T, all envs, ...]: learner k's piece joins each thread's share k, and
     make_array_from_single_device_arrays declares the array those pieces make, without a copy."""
     sharding = NamedSharding(mesh, P(None, "devices"))
-    pieces = []  # learner k's: share k of every thread, joined along the envs
+    pieces = []
     for shares_k in zip(*shares):
         pieces.append(Rollout(*[jnp.concatenate(field, axis=1) for field in zip(*shares_k)]))
 
-    def whole(*field_pieces):  # one field's pieces, first learner first
+    def whole(*field_pieces):  # first learner first
         first = field_pieces[0]
         shape = (first.shape[0], first.shape[1] * mesh.size, *first.shape[2:])
         return jax.make_array_from_single_device_arrays(shape, sharding, list(field_pieces))
@@ -594,9 +586,9 @@ def learner_update(state, rollout, args, optimizer):
     return TrainState(params=params, opt_state=opt_state, key=key), mean
 
 def make_update(args, mesh, num_updates):
-    """`learner_update` compiled over the mesh. shard_map runs it on each learner with its part of
-    each input: P() all of the TrainState, P(None, "devices") a block of axis 1 (the envs).
-    out_specs P(): the outputs are alike on all learners, as the psum makes them."""
+    """`learner_update` compiled over the mesh: shard_map runs it on each learner with its part of
+    each input, P() all (the TrainState), P(None, "devices") a block of axis 1 (the envs); out_specs
+    P(), as the psum makes the outputs alike."""
     body = partial(learner_update, args=args, optimizer=make_optimizer(args, num_updates))
     # check_vma=False: the body psums the gradients itself. With the check on, JAX would already
     # sum those of the replicated (P()) parameters, and the psum would add them again.
@@ -604,14 +596,14 @@ def make_update(args, mesh, num_updates):
     return jax.jit(jax.shard_map(body, mesh=mesh, **specs, check_vma=False))
 
 class ParamStore:
-    """The parameters back: the newest version (updates made) on each actor device, waited for."""
+    """The parameters back: the newest version on each actor device, waited for."""
 
     def __init__(self, devices):
         self.cond, self.devices = threading.Condition(), devices
         self.version, self.params = -1, None
 
     def publish(self, version, params):
-        params = {d: jax.device_put(local(params), d) for d in self.devices}  # where `act` will run
+        params = {d: jax.device_put(local(params), d) for d in self.devices}
         with self.cond:
             self.version, self.params = version, params
             self.cond.notify_all()
@@ -625,7 +617,7 @@ class ParamStore:
 # ---- Metrics, this script's flags, and the run
 
 def report(args, run, window, elapsed, update, batch_size):
-    """CleanRL's metrics and Cleanba's timings (mean seconds) over the updates in `window`."""
+    """CleanRL's metrics and Cleanba's timings (mean seconds) over `window`'s updates."""
     mean = lambda xs: float(np.mean(xs))
     losses, learner_timings, actor_stats = zip(*window)
     actor_stats = [stats for update_stats in actor_stats for stats in update_stats]
@@ -667,12 +659,11 @@ def check_sizes(args, layout):
         fail(f"--num-minibatches {args.num_minibatches} must divide a learner's samples")
     return batch_size
 
-def note_a_cpu_learner(args, env_info, layout):
-    """A CPU learner with the Nature CNN runs for days: name a recipe for hours."""
+def note_a_cpu_learner(args, env_info, layout):  # where a run would take days
     if layout.learner_devices[0].platform == "cpu" and cnn_for(env_info.obs_shape) == NATURE:
-        print("note: the learner is a CPU, where 4 epochs of the Nature CNN train about 190 steps/s (2 cores); "
-              "README's CPU recipe: --num-actor-threads 1 --local-num-envs 8 --num-steps 32 --update-epochs 2 "
-              "--no-anneal-lr --log-every 8", flush=True)
+        print("note: a CPU learner trains 4 epochs of the Nature CNN at about 190 steps/s (2 cores); README's CPU "
+              "recipe: --num-actor-threads 1 --local-num-envs 8 --num-steps 32 --update-epochs 2 --no-anneal-lr "
+              "--log-every 8", flush=True)
 
 def main(args):
     start(args)
@@ -685,8 +676,8 @@ def main(args):
     run = open_run(args, start_update, num_updates)
     (store := ParamStore(layout.actor_devices)).publish(start_update, state.params)
     queues = start_actors(args, layout, store, start_update, num_updates)
-    # A stop (a signal, a diverged run) exits with os._exit, skipping Python's shutdown, which
-    # aborts the process if an actor thread is inside envpool.
+    # A stop (a signal, a diverged run) exits by os._exit: Python's shutdown would abort the
+    # process if an actor thread is inside envpool.
     try:
         state, row = learn(args, layout, run, store, queues, state, start_update, num_updates)
     except SystemExit as stop:

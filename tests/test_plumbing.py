@@ -376,4 +376,4 @@ def test_sebulba_runs_without_sched_getaffinity_and_names_the_cpu_recipe_once(tm
                           env=_env(1, None), text=True, capture_output=True, timeout=300)
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert re.search(r"^checksum [0-9a-f]{64}$", proc.stdout, re.M), proc.stdout[-3000:]
-    assert proc.stdout.count("note: the learner is a CPU, where ") == notes, proc.stdout[-3000:]
+    assert proc.stdout.count("note: a CPU learner trains ") == notes, proc.stdout[-3000:]
