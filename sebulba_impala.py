@@ -9,10 +9,10 @@
                                    ------------------------------>  learner 0 | learner 1 | ...
                                         (share k to learner k,       assemble: one global batch;
                                          a queue of one rollout)     V-trace loss, grads psum'd
-                                   <------------------------------  publish: new params, one update on
+                                   <------------------------------  publish: new params to actors
 
-Read top to bottom: envs, network, loss, optimizer, then one rollout's path as its data flows
-(`actor`, `collect`, `learn`, `assemble`, `learner_update`, `publish`), then `main`.
+Read top to bottom: envs, network, loss, optimizer, then one rollout's path (a map heads its
+section), then `main`.
 
     python sebulba_impala.py --env-id CartPole-v1
     python sebulba_impala.py --env-id Pong-v5 --actor-device-ids 0 --learner-device-ids 1 2 3
@@ -143,7 +143,7 @@ def make_envs(args, num_envs, seed):
     env_info = describe_env(args.env_id, args.machado)
     if env_info.source == "gymnasium":
         pool = gym.make_vec(args.env_id.rpartition(":")[2], num_envs, vectorization_mode="sync")
-    else:  # all env batches' threads share the cores this process may use (Linux alone can say)
+    else:  # all env batches' threads share the cores this process may use (only Linux says)
         batches = len(args.actor_device_ids or [0]) * args.num_actor_threads * (1 + args.async_envs)
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
         threads = min(num_envs, max(1, cores // batches))
@@ -163,7 +163,7 @@ def env_reset(envs):
 # ignores the action and returns the next episode's first observation. It is no move, so the
 # actor marks it `valid` 0: the loss and game lengths leave it out.
 
-class Step(NamedTuple):  # Atari: a lost life ends a training episode; the last life's, the game
+class Step(NamedTuple):  # Atari: a lost life ends a training episode, the last one the game
     obs: np.ndarray  # [E, *obs_shape]
     reward: np.ndarray  # [E] (Atari: clipped)
     terminated: np.ndarray  # [E] the episode ended for good: no bootstrap from obs
@@ -339,16 +339,20 @@ def init_state(key, args, env_info, num_updates):
 
 
 # ---- One rollout's path, device placements included, as its data flows
-#
-# The policy lag. Rollout u of an actor thread (u = 0, 1, ...) feeds update u + 1 and acts with
-# the newest version published, at least u - 1 (version v: the parameters after v updates). So
-# while the learners compute update u from rollout u - 1, the actors collect rollout u with
-# version u - 1: one update behind (stats/param_lag); V-trace's pi / mu corrects for it.
+# 1. `actor`, a host thread, takes the newest parameters (`ParamStore.wait`) on its actor device.
+# 2. `collect` steps the envs on the host; `act` samples on the actor device, and only the actions
+#    come to the host each step (the logits stay until `stack_steps` fetches them at once).
+# 3. `actor` splits the rollout along the envs, puts share k on learner k and queues it.
+# 4. `learn`, the main thread, takes a rollout of each thread; `assemble` declares the global array
+#    their shares make; `learner_update` runs on every learner at once (`shard_map`).
+# 5. `ParamStore.publish` copies the new parameters to each actor device, for step 1.
+# The policy lag: while the learners make update u from rollout u - 1, the actors collect rollout u
+# with the parameters of update u - 1 or newer (stats/param_lag); V-trace's pi / mu corrects it.
 
 class Layout(NamedTuple):
     actor_devices: list  # this host's
     learner_devices: list  # this host's, in mesh order
-    mesh: Mesh  # all hosts' learners along a named axis, "devices" (a Mesh may have several)
+    mesh: Mesh  # all hosts' learners along a named axis, "devices"
     num_envs: int  # of all hosts
 
 def pick_devices(args):
@@ -566,8 +570,7 @@ def learner_update(state, rollout, args, optimizer):
 
 def make_update(args, mesh, num_updates):
     """`learner_update` compiled over the mesh: shard_map runs it on each learner with its part of
-    each input, P() all (the TrainState), P(None, "devices") a block of axis 1 (the envs); out_specs
-    P(), as the psum makes the outputs alike."""
+    each input: P() all of it (the TrainState), P(None, "devices") a block of axis 1 (the envs)."""
     body = partial(learner_update, args=args, optimizer=make_optimizer(args, num_updates))
     # check_vma=False: the body psums the gradients itself. With the check on, JAX would already
     # sum those of the replicated (P()) parameters, and the psum would add them again.

@@ -9,10 +9,10 @@ al. 2017) for Atari.
                                    ------------------------------>  learner 0 | learner 1 | ...
                                         (share k to learner k,       assemble: one global batch;
                                          a queue of one rollout)     GAE, PPO's epochs, grads psum'd
-                                   <------------------------------  publish: new params, one update on
+                                   <------------------------------  publish: new params to actors
 
-Read top to bottom: envs, network, loss, optimizer, then one rollout's path as its data flows
-(`actor`, `collect`, `learn`, `assemble`, `learner_update`, `publish`), then `main`.
+Read top to bottom: envs, network, loss, optimizer, then one rollout's path (a map heads its
+section), then `main`.
 
     python sebulba_ppo_atari.py --env-id Breakout-v5
     python sebulba_ppo_atari.py --env-id Pong-v5 --actor-device-ids 0 --learner-device-ids 1 2 3
@@ -133,7 +133,7 @@ def make_envs(args, num_envs, seed):
     env_info = describe_env(args.env_id, args.machado)
     if env_info.source == "gymnasium":
         pool = gym.make_vec(args.env_id.rpartition(":")[2], num_envs, vectorization_mode="sync")
-    else:  # all env batches' threads share the cores this process may use (Linux alone can say)
+    else:  # all env batches' threads share the cores this process may use (only Linux says)
         batches = len(args.actor_device_ids or [0]) * args.num_actor_threads * (1 + args.async_envs)
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
         threads = min(num_envs, max(1, cores // batches))
@@ -152,7 +152,7 @@ def env_reset(envs):
 # ignores the action and returns the next episode's first observation. It is no move, so the
 # actor marks it `valid` 0: the loss and game lengths leave it out.
 
-class Step(NamedTuple):  # Atari: a lost life ends a training episode; the last life's, the game
+class Step(NamedTuple):  # Atari: a lost life ends a training episode, the last one the game
     obs: np.ndarray  # [E, *obs_shape]
     reward: np.ndarray  # [E] (Atari: clipped)
     terminated: np.ndarray  # [E] the episode ended for good: no bootstrap from obs
@@ -257,10 +257,9 @@ def clipped_surrogate(ratio, advantages, clip):
     return jnp.maximum(-advantages * ratio, -advantages * jnp.clip(ratio, 1 - clip, 1 + clip))
 
 def decoupled_surrogate(logp, logp_prox, logp_mu, advantages, clip):
-    """Decoupled PPO (Hilton et al. 2021): pi / pi_prox is clipped around pi_prox, the parameters at
-    the update's start, not around the actors' mu (up to one update old) as in plain PPO. Each
-    sample is weighted by pi_prox / mu, unclipped as in the paper: it stays near 1, and the
-    gradient's norm clip bounds a rare outlier."""
+    """Decoupled PPO (Hilton et al. 2021): the ratio pi / pi_prox is clipped to 1 +- clip, a window around
+    pi_prox (the parameters at the update's start), not the actors' mu, up to one update old. Each sample
+    is weighted by pi_prox / mu, unclipped as in the paper: it stays near 1; the norm clip bounds outliers."""
     weight = jax.lax.stop_gradient(jnp.exp(logp_prox - logp_mu))
     ratio = jnp.exp(logp - jax.lax.stop_gradient(logp_prox))
     return weight * clipped_surrogate(ratio, advantages, clip)
@@ -337,16 +336,20 @@ def logp_prox_of(params, samples, chunks):
 
 
 # ---- One rollout's path, device placements included, as its data flows
-#
-# The policy lag. Rollout u of an actor thread (u = 0, 1, ...) feeds update u + 1 and acts with
-# the newest version published, at least u - 1 (version v: the parameters after v updates). So
-# while the learners compute update u from rollout u - 1, the actors collect rollout u with
-# version u - 1: one update behind (stats/param_lag); decoupled PPO corrects for it.
+# 1. `actor`, a host thread, takes the newest parameters (`ParamStore.wait`) on its actor device.
+# 2. `collect` steps the envs on the host; `act` samples on the actor device, and only the actions
+#    come to the host each step (log-probs, values stay until `stack_steps` fetches them at once).
+# 3. `actor` splits the rollout along the envs, puts share k on learner k and queues it.
+# 4. `learn`, the main thread, takes a rollout of each thread; `assemble` declares the global array
+#    their shares make; `learner_update` runs on every learner at once (`shard_map`).
+# 5. `ParamStore.publish` copies the new parameters to each actor device, for step 1.
+# The policy lag: while the learners make update u from rollout u - 1, the actors collect rollout u
+# with the parameters of update u - 1 or newer (stats/param_lag); decoupled PPO corrects it.
 
 class Layout(NamedTuple):
     actor_devices: list  # this host's
     learner_devices: list  # this host's, in mesh order
-    mesh: Mesh  # all hosts' learners along a named axis, "devices" (a Mesh may have several)
+    mesh: Mesh  # all hosts' learners along a named axis, "devices"
     num_envs: int  # of all hosts
 
 def pick_devices(args):
@@ -494,8 +497,7 @@ def collect(args, groups, params, states, stats):
                     step_and_store(g)
                 act_and_send(g)
         step_and_store(0), step_and_store(1)
-    # V(x_T) from `act` (one compilation, not two), its action dropped: the next rollout acts on
-    # x_T with newer parameters.
+    # V(x_T) from `act` (one compilation, not two); its action is dropped: next rollout acts on x_T.
     bootstrap = []
     for g, state in enumerate(states):
         _, _, value, key = act(params, state.obs, state.key)
@@ -587,8 +589,7 @@ def learner_update(state, rollout, args, optimizer):
 
 def make_update(args, mesh, num_updates):
     """`learner_update` compiled over the mesh: shard_map runs it on each learner with its part of
-    each input, P() all (the TrainState), P(None, "devices") a block of axis 1 (the envs); out_specs
-    P(), as the psum makes the outputs alike."""
+    each input: P() all of it (the TrainState), P(None, "devices") a block of axis 1 (the envs)."""
     body = partial(learner_update, args=args, optimizer=make_optimizer(args, num_updates))
     # check_vma=False: the body psums the gradients itself. With the check on, JAX would already
     # sum those of the replicated (P()) parameters, and the psum would add them again.
