@@ -295,7 +295,8 @@ def ppo_worker(envs, seeds, updates, baseline=None):
         old = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(old)
         old_args = old.check_args(old.Args(num_envs_per_device=envs, num_seeds=seeds))
-        budget = [updates] if "num_updates" in inspect.signature(old.initial_state).parameters else []  # e62a0d7
+        # For a while (7192a5a to e62a0d7) initial_state also took the run's updates.
+        budget = [updates] if "num_updates" in inspect.signature(old.initial_state).parameters else []
         old_state, _ = old.initial_state(old_args, old.ENVS[old_args.env_id], mesh, envs * mesh.size, *budget)
         old_init = lambda: jax.tree.map(jnp.copy, old_state)  # noqa: E731
         old_train = old.make_train(old_args, old.ENVS[old_args.env_id], mesh, updates).lower(old_init(), n).compile()
