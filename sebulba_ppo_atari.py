@@ -338,7 +338,7 @@ def logp_prox_of(params, samples, chunks):
 # ---- One rollout's path, device placements included, as its data flows
 # 1. `actor`, a host thread, takes the newest parameters (`ParamStore.wait`) on its actor device.
 # 2. `collect` steps the envs on the host; `act` samples on the actor device, and only the actions
-#    come to the host each step (log-probs, values stay until `stack_steps` fetches them at once).
+#    come to the host each step (log-probs, values stay until the rollout's end, fetched at once).
 # 3. `actor` splits the rollout along the envs, puts share k on learner k and queues it.
 # 4. `learn`, the main thread, takes a rollout of each thread; `assemble` declares the global array
 #    their shares make; `learner_update` runs on every learner at once (`shard_map`).
@@ -468,51 +468,40 @@ def start_groups(args, index, device, start_update):
     return groups, states
 
 def collect(args, groups, params, states, stats):
-    """--num-steps steps of each env group: act, step, store."""
+    """--num-steps steps of each env group. A pass acts for each group on the actor device and sends
+    its actions to the envs; the next pass receives that step. So with --async-envs the policy acts
+    for one half of the envs while envpool steps the other."""
     stored = [[] for _ in groups]  # per group, a dict of [E_g] arrays per step
-
-    def act_and_send(g):
-        with timer(stats.timings, "inference_time"):
-            actions, logp_mu, values, key = act(params, states[g].obs, states[g].key)
-            actions = np.asarray(actions)  # the rest stays on the device
-        env_send(groups[g], actions)
-        stored[g].append(dict(obs=states[g].obs, actions=actions, logp_mu=logp_mu, values=values))
-        states[g] = states[g]._replace(key=key)
-
-    def step_and_store(g):
-        with timer(stats.timings, "env_step_time"):
-            step = env_step(groups[g], stored[g][-1]["actions"], sent=True)
-        stored[g][-1].update(rewards=step.reward, terminated=step.terminated.astype(np.float32),
-                             ended=step.ended.astype(np.float32), valid=(~states[g].ended).astype(np.float32))
-        states[g] = track_games(states[g], step, stats)
-
-    if not args.async_envs:
-        for _ in range(args.num_steps):
-            act_and_send(0)
-            step_and_store(0)
-    else:  # --async-envs: the policy acts for one half while envpool steps the other
-        for t in range(args.num_steps):
-            for g in (0, 1):
-                if t > 0:
-                    step_and_store(g)
-                act_and_send(g)
-        step_and_store(0), step_and_store(1)
+    for t in range(args.num_steps + 1):
+        for g, (envs, state) in enumerate(zip(groups, states)):
+            if t > 0:  # the step sent in the last pass
+                with timer(stats.timings, "env_step_time"):
+                    step = env_step(envs, stored[g][-1]["actions"], sent=True)
+                terminated, ended = step.terminated.astype(np.float32), step.ended.astype(np.float32)
+                stored[g][-1].update(rewards=step.reward, terminated=terminated, ended=ended,
+                                     valid=(~state.ended).astype(np.float32))
+                state = track_games(state, step, stats)
+            if t < args.num_steps:
+                with timer(stats.timings, "inference_time"):
+                    actions, logp_mu, values, key = act(params, state.obs, state.key)
+                    actions = np.asarray(actions)  # the rest stays on the device
+                env_send(envs, actions)
+                stored[g].append(dict(obs=state.obs, actions=actions, logp_mu=logp_mu,
+                                      values=values))
+                state = state._replace(key=key)
+            states[g] = state
     # V(x_T) from `act` (one compilation, not two); its action is dropped: next rollout acts on x_T.
     bootstrap = []
     for g, state in enumerate(states):
         _, _, value, key = act(params, state.obs, state.key)
         bootstrap, states[g] = bootstrap + [value], state._replace(key=key)
-    # Stack each group's steps, [T, E_g, ...], then join the groups along the envs.
-    by_group = [stack_steps(steps) for steps in stored]
-    rollout = {k: np.concatenate([arrays[k] for arrays in by_group], axis=1) for k in by_group[0]}
-    last_values = np.concatenate(jax.device_get(bootstrap))  # V(x_T)
-    rollout["values"] = np.concatenate([rollout["values"], last_values[None]])
+    # One transfer fetches what stayed on the actor device; each group's steps are stacked along
+    # time, [T, E_g, ...], and the groups joined along the envs.
+    stored, bootstrap = jax.device_get((stored, bootstrap))
+    rollout = {k: np.concatenate([np.stack([s[k] for s in steps]) for steps in stored], axis=1)
+               for k in stored[0][0]}
+    rollout["values"] = np.concatenate([rollout["values"], np.concatenate(bootstrap)[None]])
     return Rollout(**rollout), states
-
-def stack_steps(steps):
-    """T dicts of [E_g] arrays -> one dict of [T, E_g] arrays."""
-    steps = jax.device_get(steps)  # what is on the actor device comes in one transfer
-    return {name: np.stack([step[name] for step in steps]) for name in steps[0]}
 
 def track_games(state, step, stats):
     """The ActorState after `step`; the games that ended go to `stats`."""
