@@ -540,8 +540,8 @@ def assemble(shares, mesh):
     """The global Rollout [T, all envs, ...]: learner k's piece joins each thread's share k, and
     make_array_from_single_device_arrays declares the array those pieces make, without a copy."""
     sharding = NamedSharding(mesh, P(None, "devices"))
-    pieces = []
-    for shares_k in zip(*shares):
+    pieces = []  # shares[thread][k] is a Rollout [T, E/L, ...] already on learner k
+    for shares_k in zip(*shares):  # learner k's share of every thread, joined along the envs
         pieces.append(Rollout(*[jnp.concatenate(field, axis=1) for field in zip(*shares_k)]))
 
     def whole(*field_pieces):  # first learner first
