@@ -374,8 +374,8 @@ def initial_state(args, env_info, layout, num_updates):
     its sharding says which part each holds (P(): all). The callback gives each of this host's
     devices its part (index i): a host can place data only on its own."""
     init = partial(init_state, jax.random.PRNGKey(args.seed), args, env_info, num_updates)
-    template = {"state": jax.eval_shape(init), "update": np.int64(0), "global_step": np.int64(0)}
-    ckpt = args.resume and load(args, template)
+    ckpt = args.resume and load(args, {"state": jax.eval_shape(init), "update": np.int64(0),
+                                       "global_step": np.int64(0)})  # traced only to resume
     if ckpt and ckpt["update"] >= num_updates:
         fail(f"--resume {args.resume}: its run has done all {num_updates} updates (raise --total-timesteps)")
     replicated = NamedSharding(layout.mesh, P())
