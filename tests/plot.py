@@ -170,7 +170,7 @@ def pack(folder):
     Returns the number of rows packed and the folder's size in bytes."""
     folder = Path(folder)
     plain, aside = folder / "metrics.jsonl", folder / "metrics.jsonl.packing"
-    if aside.is_file():  # A pack stopped part-way left rows aside: packed first, as none may be moved onto them.
+    if aside.is_file() and plain.is_file():  # A stopped pack's rows aside, packed first: none may be moved onto them.
         pack_aside(folder)
     if plain.is_file() and not aside.is_file():
         try:
