@@ -3,11 +3,11 @@
 
     host CPU (per host)                 actor device(s)              learner devices (all hosts)
     -------------------                 ---------------              ---------------------------
-    actor thread k: env batch      -->  act(params, obs): sample (jit)
+    actor thread i: env batch      -->  act(params, obs): sample (jit)
       (--local-num-envs envs)      <--  actions (logits stay until the rollout ends)
       --num-steps steps, then the rollout [T, E, ...] is split along E
                                    ------------------------------>  learner 0 | learner 1 | ...
-                                        (share k to learner k,       assemble: one global batch;
+                                        (env block k to learner k,   each joins its blocks;
                                          a queue of one rollout)     V-trace loss, grads psum'd
                                    <------------------------------  publish: new params to actors
 
@@ -175,8 +175,8 @@ def env_send(envs, actions):  # envpool steps them in its threads
     if envs.env_info.source == "envpool":
         envs.pool.send(actions)
 
-def env_step(envs, actions, sent=False):
-    if sent and envs.env_info.source == "envpool":  # those env_send started
+def env_step(envs, actions):  # the step env_send began (gymnasium steps here)
+    if envs.env_info.source == "envpool":
         obs, reward, terminated, truncated, info = envs.pool.recv()
     else:
         obs, reward, terminated, truncated, info = envs.pool.step(actions)
@@ -342,9 +342,9 @@ def init_state(key, args, env_info, num_updates):
 # 1. `actor`, a host thread, takes the newest parameters (`ParamStore.wait`) on its actor device.
 # 2. `collect` steps the envs on the host; `act` samples on the actor device, and only the actions
 #    come to the host each step (the logits stay until the rollout's end, fetched at once).
-# 3. `actor` splits the rollout along the envs, puts share k on learner k and queues it.
-# 4. `learn`, the main thread, takes a rollout of each thread; `assemble` declares the global array
-#    their shares make; `learner_update` runs on every learner at once (`shard_map`).
+# 3. `actor` copies block k of the rollout's envs to learner k, and queues the rollout.
+# 4. `learn`, the main thread, takes one rollout from each thread; `make_update`'s `learner_update`
+#    runs on every learner at once (`shard_map`), each on its blocks of them.
 # 5. `ParamStore.publish` copies the new parameters to each actor device, for step 1.
 # The policy lag: while the learners make update u from rollout u - 1, the actors collect rollout u
 # with the parameters of update u - 1 or newer (stats/param_lag); V-trace's pi / mu corrects it.
@@ -386,8 +386,7 @@ def initial_state(args, env_info, layout, num_updates):
                          ckpt["state"] if ckpt else jax.device_get(init()))
     return state, int(ckpt["update"]) if ckpt else 0
 
-def local(tree):
-    """This host's copy of a replicated global array."""
+def local(tree):  # this host's copy of a replicated global array
     return jax.tree.map(lambda x: x.addressable_shards[0].data, tree)
 
 # jit compiles `act` once per input shape and runs it where its inputs are: the actor device.
@@ -403,8 +402,8 @@ class Rollout(NamedTuple):  # --num-steps steps of E envs
     actions: np.ndarray  # [T, E]
     logits: np.ndarray  # [T, E, A] of the behaviour policy mu
     rewards: np.ndarray  # [T, E]
-    terminated: np.ndarray  # [T, E] 1.0: no bootstrap after step t
-    valid: np.ndarray  # [T, E] 0.0: step t is a reset step
+    terminated: np.ndarray  # [T, E] True: no bootstrap after step t
+    valid: np.ndarray  # [T, E] False: step t is a reset step
 
 class ActorState(NamedTuple):  # an env group's, carried from step to step
     obs: np.ndarray  # [E, *obs_shape] to act on
@@ -425,10 +424,28 @@ def timer(timings, name):
     yield
     timings[name] += time.perf_counter() - began
 
+class ParamStore:
+    """The parameters back: the newest version on each actor device, waited for."""
+
+    def __init__(self, devices):
+        self.cond, self.devices = threading.Condition(), devices
+        self.version, self.params = -1, None
+
+    def publish(self, version, params):
+        params = {d: jax.device_put(local(params), d) for d in self.devices}
+        with self.cond:
+            self.version, self.params = version, params
+            self.cond.notify_all()
+
+    def wait(self, min_version, device):
+        with self.cond:
+            self.cond.wait_for(lambda: self.version >= min_version)
+            return self.version, self.params[device]
+
 def start_actors(args, layout, store, start_update, num_updates):
     """This host's actor threads, each with a one-rollout queue where a thread ahead waits."""
     def crash(hook):  # a raise ends the run, or the learner would wait forever
-        traceback.print_exception(hook.exc_type, hook.exc_value, hook.exc_traceback)
+        traceback.print_exception(hook.exc_value)
         os._exit(1)
 
     threading.excepthook = crash
@@ -438,22 +455,22 @@ def start_actors(args, layout, store, start_update, num_updates):
         index = jax.process_index() * num_threads + i
         device = layout.actor_devices[i // args.num_actor_threads]
         threading.Thread(target=actor, name=f"actor{i}", daemon=True, args=(
-            args, index, device, layout.learner_devices, store, rollout_queue, start_update, num_updates)).start()
+            args, index, device, layout.mesh, store, rollout_queue, start_update, num_updates)).start()
     return queues
 
-def actor(args, index, device, learner_devices, store, rollout_queue, start_update, num_updates):
+def actor(args, index, device, mesh, store, rollout_queue, start_update, num_updates):
     """Actor thread `index`, numbered over all hosts' threads."""
     groups, states = start_groups(args, index, device, start_update)
+    to_learners = NamedSharding(mesh, P(None, "devices"))  # learner k: block k of axis 1, the envs
     for u in range(start_update, num_updates):
-        version, params = store.wait(u - 1)  # see `ParamStore` below
+        version, params = store.wait(u - 1, device)
         stats = ActorStats(returns=[], lengths=[], lag=u - version, timings=defaultdict(float))
         with timer(stats.timings, "rollout_time"):
-            rollout, states = collect(args, groups, params[device], states, stats)
-            # Learner k's share: block k of each array's env axis, copied there by device_put.
-            blocks = [np.split(x, len(learner_devices), axis=1) for x in rollout]
-            shares = [Rollout(*fields) for fields in zip(*blocks)]
-            shares = [jax.device_put(share, d) for share, d in zip(shares, learner_devices)]
-        rollout_queue.put((shares, stats))
+            rollout, states = collect(args, groups, params, states, stats)
+            # Each host copies its env blocks to its own learners; with all hosts' thread `index`
+            # they make one global array [T, E x hosts, ...].
+            rollout = jax.make_array_from_process_local_data(to_learners, rollout)
+        rollout_queue.put((rollout, stats))
 
 def start_groups(args, index, device, start_update):
     """The thread's env groups (--async-envs: two halves) and their first states."""
@@ -477,10 +494,8 @@ def collect(args, groups, params, states, stats):
         for g, (envs, state) in enumerate(zip(groups, states)):
             if t > 0:  # the step sent in the last pass
                 with timer(stats.timings, "env_step_time"):
-                    step = env_step(envs, stored[g][-1]["actions"], sent=True)
-                terminated = step.terminated.astype(np.float32)
-                stored[g][-1].update(rewards=step.reward, terminated=terminated,
-                                     valid=(~state.ended).astype(np.float32))
+                    step = env_step(envs, stored[g][-1]["actions"])
+                stored[g][-1].update(rewards=step.reward, terminated=step.terminated, valid=~state.ended)
                 state = track_games(state, step, stats)
             if t < args.num_steps:
                 with timer(stats.timings, "inference_time"):
@@ -518,8 +533,7 @@ def learn(args, layout, run, store, queues, state, start_update, num_updates):
         with timer(timings, "learner_queue_wait"):
             received = [q.get() for q in queues]  # rollout update - 1 of each thread
         with timer(timings, "learner_time"):
-            rollout = assemble([shares for shares, _ in received], layout.mesh)
-            state, losses = update_fn(state, rollout)
+            state, losses = update_fn(state, [rollout for rollout, _ in received])
             store.publish(update, state.params)
             losses = jax.device_get(local(losses))
         window.append((losses, timings, [stats for _, stats in received]))
@@ -532,57 +546,27 @@ def learn(args, layout, run, store, queues, state, start_update, num_updates):
         safe_point(args, run, update, due, checkpoint)
     return state, row
 
-def assemble(shares, mesh):
-    """The global Rollout [T, all envs, ...]: learner k's piece joins each thread's share k, and
-    make_array_from_single_device_arrays declares the array those pieces make, without a copy."""
-    sharding = NamedSharding(mesh, P(None, "devices"))
-    pieces = []  # shares[thread][k] is a Rollout [T, E/L, ...] already on learner k
-    for shares_k in zip(*shares):  # learner k's share of every thread, joined along the envs
-        pieces.append(Rollout(*[jnp.concatenate(field, axis=1) for field in zip(*shares_k)]))
-
-    def whole(*field_pieces):  # first learner first
-        first = field_pieces[0]
-        shape = (first.shape[0], first.shape[1] * mesh.size, *first.shape[2:])
-        return jax.make_array_from_single_device_arrays(shape, sharding, list(field_pieces))
-
-    return Rollout(*[whole(*field_pieces) for field_pieces in zip(*pieces)])
-
-def learner_update(state, rollout, args, optimizer):
-    """One IMPALA update on a learner's block [T, E_l, ...] of the global rollout (in shard_map)."""
-    grads, losses = jax.grad(impala_loss, has_aux=True)(state.params, rollout, args)
-    # psum over "devices" gives every learner the sum over all: all take the same step.
-    grads, losses, num_valid = jax.lax.psum((grads, losses, rollout.valid.sum()), "devices")
-    changes, opt_state = optimizer.update(grads, state.opt_state, state.params)
-    losses = jax.tree.map(lambda x: x / jnp.maximum(num_valid, 1.0), losses)  # per valid step
-    params = optax.apply_updates(state.params, changes)
-    return TrainState(params=params, opt_state=opt_state), losses
-
 def make_update(args, mesh, num_updates):
-    """`learner_update` compiled over the mesh: shard_map runs it on each learner with its part of
-    each input: P() all of it (the TrainState), P(None, "devices") a block of axis 1 (the envs)."""
-    body = partial(learner_update, args=args, optimizer=make_optimizer(args, num_updates))
-    # check_vma=False: the body psums the gradients itself. With the check on, JAX would already
-    # sum those of the replicated (P()) parameters, and the psum would add them again.
+    """One IMPALA update, compiled to run on every learner at once. shard_map gives each learner its
+    part of each input: all of the TrainState (P()), and its block of axis 1, the envs, of each
+    thread's rollout (P(None, "devices"); "devices" names the mesh's axis of learners)."""
+    optimizer = make_optimizer(args, num_updates)
+
+    def learner_update(state, rollouts):  # on one learner, in shard_map
+        # This learner's block of each thread's rollout, joined along the envs: [T, E_l, ...].
+        rollout = Rollout(*[jnp.concatenate(field, axis=1) for field in zip(*rollouts)])
+        grads, losses = jax.grad(impala_loss, has_aux=True)(state.params, rollout, args)
+        # psum over "devices" gives every learner the sum over all: all take the same step.
+        grads, losses, num_valid = jax.lax.psum((grads, losses, rollout.valid.sum()), "devices")
+        changes, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        losses = jax.tree.map(lambda x: x / jnp.maximum(num_valid, 1.0), losses)  # per valid step
+        params = optax.apply_updates(state.params, changes)
+        return TrainState(params=params, opt_state=opt_state), losses
+
+    # check_vma=False: learner_update psums the gradients itself. With the check on, JAX would
+    # already sum those of the replicated (P()) parameters, and the psum would add them again.
     specs = dict(in_specs=(P(), P(None, "devices")), out_specs=(P(), P()))
-    return jax.jit(jax.shard_map(body, mesh=mesh, **specs, check_vma=False))
-
-class ParamStore:
-    """The parameters back: the newest version on each actor device, waited for."""
-
-    def __init__(self, devices):
-        self.cond, self.devices = threading.Condition(), devices
-        self.version, self.params = -1, None
-
-    def publish(self, version, params):
-        params = {d: jax.device_put(local(params), d) for d in self.devices}
-        with self.cond:
-            self.version, self.params = version, params
-            self.cond.notify_all()
-
-    def wait(self, min_version):
-        with self.cond:
-            self.cond.wait_for(lambda: self.version >= min_version)
-            return self.version, self.params
+    return jax.jit(jax.shard_map(learner_update, mesh=mesh, **specs, check_vma=False))
 
 
 # ---- Metrics, this script's flags, and the run

@@ -180,7 +180,9 @@ def sebulba_worker(script, flags, updates=None, log_every=None, steps=None, boun
         sebulba.env_reset(envs)
         ready.wait()  # the clock starts once every thread's envs are made
         for _ in range(steps):
-            sebulba.env_step(envs, rng.integers(0, env.num_actions, n).astype(np.int32))
+            actions = rng.integers(0, env.num_actions, n).astype(np.int32)
+            sebulba.env_send(envs, actions)
+            sebulba.env_step(envs, actions)
         counts.append(steps * n)
 
     counts, steps, ready = [], 20 if tiny else max(200, 20 * args.num_steps), threading.Barrier(threads + 1)

@@ -218,7 +218,7 @@ def test_uint8_frames_are_scaled_and_other_images_enter_as_they_are(impala):
     np.testing.assert_array_equal(impala.image_input(floats), np.full((1, 3, 3, 2), 0.5))
 
 
-# The same update on 1 learner device and on 2: the loss is a sum over the global batch.
+# The same update on 1 learner device and on 2, from 2 threads' rollouts: the loss is a sum over the global batch.
 SAME_UPDATE = f'''
 import sys
 import numpy as np
@@ -241,7 +241,9 @@ params = state.params
 outs = []
 for n in (1, 2):
     mesh = Mesh(np.array(jax.devices()[:n]), ("devices",))
-    placed = jax.device_put(batch, NamedSharding(mesh, P(None, "devices")))
+    # Two actor threads' rollouts of 2 envs each: each learner joins its block of both.
+    threads = [jax.tree.map(lambda x: x[:, half], batch) for half in (slice(0, 2), slice(2, 4))]
+    placed = jax.device_put(threads, NamedSharding(mesh, P(None, "devices")))
     new, info = impala.make_update(args, mesh, 10)(jax.device_put(state, NamedSharding(mesh, P())), placed)
     outs.append((jax.tree.leaves(jax.device_get(new.params)), np.asarray(jax.device_get(info))))
 moved = max(float(np.abs(a - b).max()) for a, b in zip(outs[0][0], jax.tree.leaves(params)))

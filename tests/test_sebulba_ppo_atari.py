@@ -5,7 +5,6 @@ import hashlib
 import signal
 import time
 from collections import defaultdict
-from functools import partial
 
 import numpy as np
 import pytest
@@ -122,7 +121,7 @@ def test_advantage_normalisation_spans_all_learners_and_skips_masked_samples(ppo
     adv = rng.normal(3.0, 2.0, size=(2, 6)).astype(np.float32)  # 2 learners x 6 samples
     mask = np.ones((2, 6), np.float32)
     mask[0, :2] = 0
-    got = np.asarray(jax.vmap(partial(ppo.normalize, axis_name="devices"), axis_name="devices")(adv, mask))
+    got = np.asarray(jax.vmap(ppo.normalize, axis_name="devices")(adv, mask))
     valid = adv[mask == 1]
     np.testing.assert_allclose(got[mask == 1], (valid - valid.mean()) / valid.std(), rtol=1e-4, atol=1e-5)
 
@@ -190,10 +189,10 @@ def test_repeated_updates_on_one_batch_favour_positive_advantage_actions_and_fit
         return lp[adv > 0].mean(), lp[adv < 0].mean(), np.mean((np.asarray(v) - returns) ** 2)
 
     before = measure(state.params)
-    state, losses = update(state, rollout)
+    state, losses = update(state, [rollout])
     assert float(losses.clipfrac_first) == 0  # pi_prox == mu: the rollout's own parameters
     for _ in range(4):  # the same rollout again: its log-probs go stale, as under policy lag
-        state, losses = update(state, rollout)
+        state, losses = update(state, [rollout])
     after = measure(state.params)
     assert after[0] > before[0] + 0.05, (before, after)  # positive-advantage actions more likely
     assert after[1] < before[1] - 0.05, (before, after)  # negative-advantage actions less likely
@@ -334,14 +333,14 @@ def faulty_make(*args, **kwargs):
 envpool.make = faulty_make
 """
 LEARNER_FAULT = """
-assemble, calls = ppo.assemble, [0]
-def faulty_assemble(*args):
+publish, calls = ppo.ParamStore.publish, [0]
+def faulty_publish(*args):  # on the main thread: in `main`, then after each update
     calls[0] += 1
-    if calls[0] == 2:
+    if calls[0] == 3:
         Path("fault_time").write_text(str(time.time()))
         raise RuntimeError("injected learner fault")
-    return assemble(*args)
-ppo.assemble = faulty_assemble
+    return publish(*args)
+ppo.ParamStore.publish = faulty_publish
 """
 
 
