@@ -347,8 +347,8 @@ def fail(message):
     sys.exit(2)
 
 def start(args):
-    """First in `main`: refuse counts below 1, join the other hosts, then catch SIGINT and SIGTERM from here on (JAX
-    drops a Ctrl-C that lands in its callbacks, and jax.distributed sets a SIGTERM handler of its own)."""
+    """First in `main`: refuse counts below 1, join the other hosts, then catch SIGINT and SIGTERM: JAX drops a
+    Ctrl-C raised in its callbacks, and jax.distributed sets a SIGTERM handler of its own."""
     if low := [k for k, v in vars(args).items() if type(v) is int and v < 1 and k not in ("seed", "process_id")]:
         fail(f"--{low[0].replace('_', '-')} {getattr(args, low[0])} must be at least 1")  # a count
     if args.distributed:  # flags left unset are found by JAX itself (SLURM, Cloud TPU, Kubernetes)

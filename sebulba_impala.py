@@ -1,18 +1,16 @@
 """Sebulba IMPALA: the Podracer paper's actor/learner split (Hessel et al. 2021) with V-trace
 (Espeholt et al. 2018).
 
-    host CPU (per host)                 actor device(s)              learner devices (all hosts)
-    -------------------                 ---------------              ---------------------------
-    actor thread i: env batch      -->  act(params, obs): sample (jit)
-      (--local-num-envs envs)      <--  actions (logits stay until the rollout ends)
+    host CPU (per host)             actor device(s)            learner devices (all hosts)
+    actor thread i: env batch  -->  act(params, obs): sample (jit)
+      (--local-num-envs envs)  <--  actions (the logits stay on it until the rollout ends)
       --num-steps steps, then the rollout [T, E, ...] is split along E
-                                   ------------------------------>  learner 0 | learner 1 | ...
-                                        (env block k to learner k,   each joins its blocks;
-                                         a queue of one rollout)     V-trace loss, grads psum'd
-                                   <------------------------------  publish: new params to actors
+                               ------------------------->  learner 0 | learner 1 | ...
+                                 (env block k to learner k,  each joins its blocks;
+                                  a queue of one rollout)    V-trace loss, grads summed
+                               <-------------------------  publish: new params to actors
 
-Read top to bottom: envs, network, loss, optimizer, then one rollout's path (a map heads its
-section), then `main`.
+Read top to bottom: envs, network, loss, optimizer, one rollout's path (a map heads it), `main`.
 
     python sebulba_impala.py --env-id CartPole-v1
     python sebulba_impala.py --env-id Pong-v5 --actor-device-ids 0 --learner-device-ids 1 2 3
@@ -55,27 +53,28 @@ warnings.filterwarnings("ignore", message=".*precision lowered.*")  # envpool's 
 
 @dataclasses.dataclass
 class Args:
+    """Flags at None take DEFAULTS' value for the env's observations (images or vectors)."""
     env_id: str = "Breakout-v5"  # envpool (`Pong-v5`, `CartPole-v1`) or gymnasium `module:Name-v0`
     seed: int = 1  # seeds parameters, envs and sampling
-    total_timesteps: int | None = None  # agent steps, all hosts (images 10M, vectors 300k)
-    learning_rate: float | None = None  # RMSProp step size (images 6e-4, vectors 5e-3)
+    total_timesteps: int | None = None  # agent steps, all hosts
+    learning_rate: float | None = None  # RMSProp step size
     anneal_lr: bool = True  # decay the step size linearly to 0
     actor_device_ids: list[int] | None = None  # local devices that act (default: 0)
     learner_device_ids: list[int] | None = None  # local devices that learn (default: others, or 0)
     num_actor_threads: int = 2  # per actor device: one steps envs while another acts
     local_num_envs: int = 16  # envs per actor thread
     async_envs: bool = False  # step half the envs while acting for the other half
-    num_steps: int | None = None  # rollout length per env (images 20, vectors 16)
+    num_steps: int | None = None  # rollout length per env
     gamma: float = 0.99  # discount
     vtrace_lambda: float = 1.0  # V-trace's lambda: c_t = lambda * min(1, pi/mu)
     ent_coef: float = 0.01  # entropy bonus weight
     vf_coef: float = 0.5  # value loss weight
     max_grad_norm: float = 40.0  # global-norm gradient clipping
-    rmsprop_eps: float | None = None  # RMSProp epsilon (images 0.01, vectors 1e-5)
-    # images: deep or shallow (IMPALA's CNNs); vectors: mlp
+    rmsprop_eps: float | None = None  # RMSProp epsilon
+    # deep or shallow (IMPALA's CNNs) for images, mlp for vectors
     network: Literal["deep", "shallow", "mlp"] | None = None
     machado: bool = False  # Atari as Machado et al. (2018): sticky actions, all 18, no life loss
-    log_every: int | None = None  # updates between metrics rows (images 10, vectors 40)
+    log_every: int | None = None  # updates between metrics rows
     checkpoint_every: int = 100  # updates between checkpoints (and one at the end)
     # The plumbing appendix's flags:
     exp_name: str = Path(__file__).stem  # part of the run folder's name
@@ -87,8 +86,8 @@ class Args:
     process_id: int | None = None  # this process's index
 
 
-# Flags left at None. Images: the IMPALA paper's (appendix G); vectors: larger steps, as RMSProp
-# moves a weight about a step size an update and CartPole's values reach 100.
+# Images: the IMPALA paper's values (appendix G). Vectors: larger steps, as RMSProp moves a weight
+# by about one step size an update and CartPole's values reach 100.
 DEFAULTS = {"image": dict(total_timesteps=10_000_000, learning_rate=6e-4, num_steps=20,
                           rmsprop_eps=0.01, network="deep", log_every=10),
             "vector": dict(total_timesteps=300_000, learning_rate=5e-3, num_steps=16,
@@ -143,7 +142,7 @@ def make_envs(args, num_envs, seed):
     env_info = describe_env(args.env_id, args.machado)
     if env_info.source == "gymnasium":
         pool = gym.make_vec(args.env_id.rpartition(":")[2], num_envs, vectorization_mode="sync")
-    else:  # all env batches' threads share the cores this process may use (only Linux says)
+    else:  # the env batches' threads share this process's cores (Linux says which)
         batches = len(args.actor_device_ids or [0]) * args.num_actor_threads * (1 + args.async_envs)
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
         threads = min(num_envs, max(1, cores // batches))
@@ -161,7 +160,8 @@ def env_reset(envs):
 
 # The reset step: envpool and gymnasium reset an env on the step after its episode ends; that step
 # ignores the action and returns the next episode's first observation. It is no move, so the
-# actor marks it `valid` 0: the loss and game lengths leave it out.
+# actor marks it not `valid`: the loss and game lengths leave it out. Its row holds the ended
+# episode's last observation: a truncated episode bootstraps from its value.
 
 class Step(NamedTuple):  # Atari: a lost life ends a training episode, the last one the game
     obs: np.ndarray  # [E, *obs_shape]
@@ -241,7 +241,7 @@ def features(p, obs, network):  # obs [N, *obs_shape] -> policy, value features 
         for i in range(len(IMPALA_CHANNELS)):
             stack = p[f"stack{i}"]
             x = conv(stack["conv"], x)
-            x = jax.lax.reduce_window(x, -jnp.inf, jax.lax.max, (1, 3, 3, 1), (1, 2, 2, 1), "SAME")
+            x = jax.lax.reduce_window(x, -jnp.inf, jax.lax.max, (1, 3, 3, 1), (1, 2, 2, 1), "SAME")  # max-pool
             for block in (stack["block0"], stack["block1"]):
                 x = x + conv(block["conv1"], jax.nn.relu(conv(block["conv0"], jax.nn.relu(x))))
         x = jax.nn.relu(x)
@@ -278,16 +278,16 @@ def vtrace(values, rewards, discounts, rhos, valid, lambda_):
     V(x_{s+1})). values [T+1, E], the rest [T, E]. A truncation bootstraps from x_{t+1}; a reset
     step (valid 0) adds nothing and ends the recursion."""
     clipped_rhos = jnp.minimum(1.0, rhos)
-    cs = lambda_ * clipped_rhos
+    cs = lambda_ * clipped_rhos * valid
     deltas = valid * clipped_rhos * (rewards + discounts * values[1:] - values[:-1])
 
     def backward(correction, x):  # correction = v_{s+1} - V(x_{s+1})
-        delta, discount, c, ok = x
-        correction = delta + ok * discount * c * correction
+        delta, discount, c = x
+        correction = delta + discount * c * correction
         return correction, correction
 
     # lax.scan, a compiled loop, calls `backward` on each step's inputs, last step first.
-    xs = (deltas, discounts, cs, valid)
+    xs = (deltas, discounts, cs)
     _, corrections = jax.lax.scan(backward, jnp.zeros_like(values[-1]), xs, reverse=True)
     vs = values[:-1] + corrections
     vs_next = jnp.concatenate([vs[1:], values[-1:]])
@@ -335,7 +335,7 @@ def make_optimizer(args, num_updates):
 
 def init_state(key, args, env_info, num_updates):
     params = init_params(key, env_info.obs_shape, env_info.num_actions, args.network)
-    return TrainState(params=params, opt_state=make_optimizer(args, num_updates).init(params))
+    return TrainState(params, make_optimizer(args, num_updates).init(params))
 
 
 # ---- One rollout's path, device placements included, as its data flows
@@ -346,14 +346,13 @@ def init_state(key, args, env_info, num_updates):
 # 4. `learn`, the main thread, takes one rollout from each thread; `make_update`'s `learner_update`
 #    runs on every learner at once (`shard_map`), each on its blocks of them.
 # 5. `ParamStore.publish` copies the new parameters to each actor device, for step 1.
-# The policy lag: while the learners make update u from rollout u - 1, the actors collect rollout u
-# with the parameters of update u - 1 or newer (stats/param_lag); V-trace's pi / mu corrects it.
+# The policy lag: while the learners make update u - 1, the actors collect the rollout for update u
+# with the parameters of update u - 2 or newer (stats/param_lag); V-trace's pi / mu corrects it.
 
 class Layout(NamedTuple):
     actor_devices: list  # this host's
     learner_devices: list  # this host's, in mesh order
-    mesh: Mesh  # all hosts' learners along a named axis, "devices"
-    num_envs: int  # of all hosts
+    mesh: Mesh  # all hosts' learners, host by host, along an axis named "learners"
 
 def pick_devices(args):
     """The devices that act and learn."""
@@ -366,24 +365,22 @@ def pick_devices(args):
     if n > 1 and set(actors) & set(learners):
         fail(f"--learner-device-ids {learners} share a device with --actor-device-ids {actors}")
     hosts = [[d for d in jax.devices() if d.process_index == p] for p in range(jax.process_count())]
-    mesh = Mesh(np.array([host[i] for host in hosts for i in learners]), ("devices",))
+    mesh = Mesh(np.array([host[i] for host in hosts for i in learners]), ("learners",))
     mine = hosts[jax.process_index()]
-    num_envs = jax.process_count() * len(actors) * args.num_actor_threads * args.local_num_envs
     return Layout(actor_devices=[mine[i] for i in actors],
-                  learner_devices=[mine[i] for i in learners], mesh=mesh, num_envs=num_envs)
+                  learner_devices=[mine[i] for i in learners], mesh=mesh)
 
 def initial_state(args, env_info, layout, num_updates):
-    """The replicated TrainState (new or --resume's) and its update. A jax.Array may span devices;
-    its sharding says which part each holds (P(): all). The callback gives each of this host's
-    devices its part (index i): a host can place data only on its own."""
+    """The TrainState (new or --resume's) on every learner, and its update. A jax.Array may span
+    devices; its sharding says which part each holds (P(): all of it). A host places data only on
+    its own devices: make_array_from_process_local_data copies this host's data to them."""
     init = partial(init_state, jax.random.PRNGKey(args.seed), args, env_info, num_updates)
     ckpt = args.resume and load(args, {"state": jax.eval_shape(init), "update": np.int64(0),
-                                       "global_step": np.int64(0)})  # traced only to resume
+                                       "global_step": np.int64(0)})  # eval_shape: shapes, not values
     if ckpt and ckpt["update"] >= num_updates:
         fail(f"--resume {args.resume}: its run has done all {num_updates} updates (raise --total-timesteps)")
-    replicated = NamedSharding(layout.mesh, P())
-    state = jax.tree.map(lambda a: jax.make_array_from_callback(a.shape, replicated, lambda i: a[i]),
-                         ckpt["state"] if ckpt else jax.device_get(init()))
+    tree = ckpt["state"] if ckpt else jax.device_get(init())  # the same on every host
+    state = jax.make_array_from_process_local_data(NamedSharding(layout.mesh, P()), tree)
     return state, int(ckpt["update"]) if ckpt else 0
 
 def local(tree):  # this host's copy of a replicated global array
@@ -459,16 +456,16 @@ def start_actors(args, layout, store, start_update, num_updates):
     return queues
 
 def actor(args, index, device, mesh, store, rollout_queue, start_update, num_updates):
-    """Actor thread `index`, numbered over all hosts' threads."""
+    """Actor thread `index`, numbered over all hosts' threads (no two share an env seed)."""
     groups, states = start_groups(args, index, device, start_update)
-    to_learners = NamedSharding(mesh, P(None, "devices"))  # learner k: block k of axis 1, the envs
-    for u in range(start_update, num_updates):
-        version, params = store.wait(u - 1, device)
-        stats = ActorStats(returns=[], lengths=[], lag=u - version, timings=defaultdict(float))
+    to_learners = NamedSharding(mesh, P(None, "learners"))
+    for update in range(start_update + 1, num_updates + 1):  # the rollout this update learns from
+        version, params = store.wait(update - 2, device)
+        stats = ActorStats(returns=[], lengths=[], lag=update - 1 - version, timings=defaultdict(float))
         with timer(stats.timings, "rollout_time"):
             rollout, states = collect(args, groups, params, states, stats)
-            # Each host copies its env blocks to its own learners; with all hosts' thread `index`
-            # they make one global array [T, E x hosts, ...].
+            # Each host copies its env blocks to its own learners; with the same thread of the
+            # other hosts they make one global array [T, E x hosts, ...].
             rollout = jax.make_array_from_process_local_data(to_learners, rollout)
         rollout_queue.put((rollout, stats))
 
@@ -486,13 +483,13 @@ def start_groups(args, index, device, start_update):
     return groups, states
 
 def collect(args, groups, params, states, stats):
-    """--num-steps steps of each env group. A pass acts for each group on the actor device and sends
-    its actions to the envs; the next pass receives that step. So with --async-envs the policy acts
-    for one half of the envs while envpool steps the other."""
+    """--num-steps steps of each env group. Pass t receives each group's step t - 1, then acts on
+    the actor device and sends step t; the last pass only receives. With --async-envs the policy
+    thus acts for one half of the envs while envpool steps the other."""
     stored = [[] for _ in groups]  # per group, a dict of [E_g] arrays per step
     for t in range(args.num_steps + 1):
         for g, (envs, state) in enumerate(zip(groups, states)):
-            if t > 0:  # the step sent in the last pass
+            if t > 0:  # state.ended is from before the step: a reset step is not valid
                 with timer(stats.timings, "env_step_time"):
                     step = env_step(envs, stored[g][-1]["actions"])
                 stored[g][-1].update(rewards=step.reward, terminated=step.terminated, valid=~state.ended)
@@ -505,8 +502,8 @@ def collect(args, groups, params, states, stats):
                 stored[g].append(dict(obs=state.obs, actions=actions, logits=logits))
                 state = state._replace(key=key)
             states[g] = state
-    # One transfer fetches what stayed on the actor device; each group's steps are stacked along
-    # time, [T, E_g, ...], and the groups joined along the envs.
+    # One transfer fetches what stayed on the actor device; steps stack along time, groups along
+    # the envs.
     stored = jax.device_get(stored)
     rollout = {k: np.concatenate([np.stack([s[k] for s in steps]) for steps in stored], axis=1)
                for k in stored[0][0]}
@@ -524,15 +521,17 @@ def track_games(state, step, stats):
     return ActorState(obs=step.obs, key=state.key, ended=step.ended,
         game_return=np.where(over, 0.0, game_return), game_length=np.where(over, 0, game_length))
 
-def learn(args, layout, run, store, queues, state, start_update, num_updates):
+def learn(args, layout, run, store, queues, state, start_update, batch_size):
     """The learner loop, on the main thread."""
-    update_fn, batch_size = make_update(args, layout.mesh, num_updates), args.num_steps * layout.num_envs
+    update_fn, num_updates = make_update(args, layout.mesh, run.num_updates), run.num_updates
     window, since = [], time.perf_counter()  # (Losses, timings, stats) of each update since a row
     for update in range(start_update + 1, num_updates + 1):
         timings = defaultdict(float)
         with timer(timings, "learner_queue_wait"):
-            received = [q.get() for q in queues]  # rollout update - 1 of each thread
+            received = [q.get() for q in queues]  # each thread's rollout for this update
         with timer(timings, "learner_time"):
+            # JAX returns before the device is done: publish hands on parameters still being
+            # computed (an actor's act waits for them); device_get waits for the losses.
             state, losses = update_fn(state, [rollout for rollout, _ in received])
             store.publish(update, state.params)
             losses = jax.device_get(local(losses))
@@ -548,24 +547,25 @@ def learn(args, layout, run, store, queues, state, start_update, num_updates):
 
 def make_update(args, mesh, num_updates):
     """One IMPALA update, compiled to run on every learner at once. shard_map gives each learner its
-    part of each input: all of the TrainState (P()), and its block of axis 1, the envs, of each
-    thread's rollout (P(None, "devices"); "devices" names the mesh's axis of learners)."""
+    part of each input: all of the TrainState (P()), and its block of each thread's rollout along
+    axis 1, the envs (P(None, "learners"), the mesh's axis)."""
     optimizer = make_optimizer(args, num_updates)
 
     def learner_update(state, rollouts):  # on one learner, in shard_map
-        # This learner's block of each thread's rollout, joined along the envs: [T, E_l, ...].
+        # This learner's blocks of the threads' rollouts, field by field, joined along the envs.
         rollout = Rollout(*[jnp.concatenate(field, axis=1) for field in zip(*rollouts)])
         grads, losses = jax.grad(impala_loss, has_aux=True)(state.params, rollout, args)
-        # psum over "devices" gives every learner the sum over all: all take the same step.
-        grads, losses, num_valid = jax.lax.psum((grads, losses, rollout.valid.sum()), "devices")
+        # psum over "learners" gives every learner the sum over all: all take the same step.
+        grads, losses, num_valid = jax.lax.psum((grads, losses, rollout.valid.sum()), "learners")
+        # optax is functional: it returns the changes and its new state.
         changes, opt_state = optimizer.update(grads, state.opt_state, state.params)
         losses = jax.tree.map(lambda x: x / jnp.maximum(num_valid, 1.0), losses)  # per valid step
         params = optax.apply_updates(state.params, changes)
-        return TrainState(params=params, opt_state=opt_state), losses
+        return TrainState(params, opt_state), losses
 
     # check_vma=False: learner_update psums the gradients itself. With the check on, JAX would
     # already sum those of the replicated (P()) parameters, and the psum would add them again.
-    specs = dict(in_specs=(P(), P(None, "devices")), out_specs=(P(), P()))
+    specs = dict(in_specs=(P(), P(None, "learners")), out_specs=(P(), P()))
     return jax.jit(jax.shard_map(learner_update, mesh=mesh, **specs, check_vma=False))
 
 
@@ -613,7 +613,8 @@ def check_sizes(args, layout):
         fail(f"--local-num-envs {args.local_num_envs} must divide among {n_learners} learners")
     if args.async_envs and args.local_num_envs % 2:
         fail(f"--local-num-envs {args.local_num_envs} must be even with --async-envs")
-    batch_size = args.num_steps * layout.num_envs
+    envs_per_host = len(layout.actor_devices) * args.num_actor_threads * args.local_num_envs
+    batch_size = args.num_steps * envs_per_host * jax.process_count()
     if args.total_timesteps < batch_size:
         fail(f"--total-timesteps {args.total_timesteps} is less than one update ({batch_size:,} steps)")
     return batch_size
@@ -637,7 +638,7 @@ def main(args):
     # A stop (a signal, a diverged run) exits by os._exit: Python's shutdown would abort the
     # process if an actor thread is inside envpool.
     try:
-        state, row = learn(args, layout, run, store, queues, state, start_update, num_updates)
+        state, row = learn(args, layout, run, store, queues, state, start_update, batch_size)
     except SystemExit as stop:
         os._exit(stop.code)
     row["checksum"] = checksum(state.params)
@@ -652,8 +653,8 @@ def fail(message):
     sys.exit(2)
 
 def start(args):
-    """First in `main`: refuse counts below 1, join the other hosts, then catch SIGINT and SIGTERM from here on (JAX
-    drops a Ctrl-C that lands in its callbacks, and jax.distributed sets a SIGTERM handler of its own)."""
+    """First in `main`: refuse counts below 1, join the other hosts, then catch SIGINT and SIGTERM: JAX drops a
+    Ctrl-C raised in its callbacks, and jax.distributed sets a SIGTERM handler of its own."""
     if low := [k for k, v in vars(args).items() if type(v) is int and v < 1 and k not in ("seed", "process_id")]:
         fail(f"--{low[0].replace('_', '-')} {getattr(args, low[0])} must be at least 1")  # a count
     if args.distributed:  # flags left unset are found by JAX itself (SLURM, Cloud TPU, Kubernetes)

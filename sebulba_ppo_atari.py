@@ -1,18 +1,16 @@
 """Sebulba PPO: the Podracer paper's actor/learner split (Hessel et al. 2021) with PPO (Schulman et
 al. 2017) for Atari.
 
-    host CPU (per host)                 actor device(s)              learner devices (all hosts)
-    -------------------                 ---------------              ---------------------------
-    actor thread i: env batch      -->  act(params, obs): sample (jit)
-      (--local-num-envs envs)      <--  actions (log-prob, value stay until the rollout ends)
+    host CPU (per host)             actor device(s)            learner devices (all hosts)
+    actor thread i: env batch  -->  act(params, obs): sample (jit)
+      (--local-num-envs envs)  <--  actions (log-probs, values stay on it until the rollout ends)
       --num-steps steps, then the rollout [T, E, ...] is split along E
-                                   ------------------------------>  learner 0 | learner 1 | ...
-                                        (env block k to learner k,   each joins its blocks;
-                                         a queue of one rollout)     GAE, PPO's epochs, grads psum'd
-                                   <------------------------------  publish: new params to actors
+                               ------------------------->  learner 0 | learner 1 | ...
+                                 (env block k to learner k,  each joins its blocks;
+                                  a queue of one rollout)    GAE, PPO's epochs, grads summed
+                               <-------------------------  publish: new params to actors
 
-Read top to bottom: envs, network, loss, optimizer, then one rollout's path (a map heads its
-section), then `main`.
+Read top to bottom: envs, network, loss, optimizer, one rollout's path (a map heads it), `main`.
 
     python sebulba_ppo_atari.py --env-id Breakout-v5
     python sebulba_ppo_atari.py --env-id Pong-v5 --actor-device-ids 0 --learner-device-ids 1 2 3
@@ -133,7 +131,7 @@ def make_envs(args, num_envs, seed):
     env_info = describe_env(args.env_id, args.machado)
     if env_info.source == "gymnasium":
         pool = gym.make_vec(args.env_id.rpartition(":")[2], num_envs, vectorization_mode="sync")
-    else:  # all env batches' threads share the cores this process may use (only Linux says)
+    else:  # the env batches' threads share this process's cores (Linux says which)
         batches = len(args.actor_device_ids or [0]) * args.num_actor_threads * (1 + args.async_envs)
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
         threads = min(num_envs, max(1, cores // batches))
@@ -150,7 +148,8 @@ def env_reset(envs):
 
 # The reset step: envpool and gymnasium reset an env on the step after its episode ends; that step
 # ignores the action and returns the next episode's first observation. It is no move, so the
-# actor marks it `valid` 0: the loss and game lengths leave it out.
+# actor marks it not `valid`: the loss and game lengths leave it out. Its row holds the ended
+# episode's last observation: a truncated episode bootstraps from its value.
 
 class Step(NamedTuple):  # Atari: a lost life ends a training episode, the last one the game
     obs: np.ndarray  # [E, *obs_shape]
@@ -246,10 +245,10 @@ def gae(rewards, values, terminated, ended, gamma, lam):
     return advantages
 
 def normalize(advantages, valid):
-    """Zero mean, unit std over the valid samples of all learners (psum: a sum over "devices")."""
-    n = jax.lax.psum(valid.sum(), "devices")
-    mean = jax.lax.psum((advantages * valid).sum(), "devices") / n
-    var = jax.lax.psum((((advantages - mean) ** 2) * valid).sum(), "devices") / n
+    """Zero mean, unit std over all learners' valid samples (psum sums over "learners")."""
+    n = jax.lax.psum(valid.sum(), "learners")
+    mean = jax.lax.psum((advantages * valid).sum(), "learners") / n
+    var = jax.lax.psum((((advantages - mean) ** 2) * valid).sum(), "learners") / n
     return (advantages - mean) / (jnp.sqrt(var) + 1e-8)
 
 def clipped_surrogate(ratio, advantages, clip):
@@ -257,9 +256,9 @@ def clipped_surrogate(ratio, advantages, clip):
     return jnp.maximum(-advantages * ratio, -advantages * jnp.clip(ratio, 1 - clip, 1 + clip))
 
 def decoupled_surrogate(logp, logp_prox, logp_mu, advantages, clip):
-    """Decoupled PPO (Hilton et al. 2021): the ratio pi / pi_prox is clipped to 1 +- clip, a window around
-    pi_prox (the parameters at the update's start), not the actors' mu, up to one update old. Each sample
-    is weighted by pi_prox / mu, unclipped as in the paper: it stays near 1; the norm clip bounds outliers."""
+    """Decoupled PPO (Hilton et al. 2021): the clip window is around pi_prox, the policy at the update's
+    start, not around the actors' mu (up to one update older). Each sample is weighted by pi_prox / mu,
+    unclipped as in the paper; the gradient-norm clip bounds outliers."""
     weight = jax.lax.stop_gradient(jnp.exp(logp_prox - logp_mu))
     ratio = jnp.exp(logp - jax.lax.stop_gradient(logp_prox))
     return weight * clipped_surrogate(ratio, advantages, clip)
@@ -296,7 +295,7 @@ def ppo_loss(params, mb, args):
     ratio = jnp.exp(log_ratio)
     outside = lambda r: jnp.abs(r - 1) > args.clip_coef
     advantages = normalize(mb.advantages, mb.valid)
-    n = jax.lax.psum(mb.valid.sum(), "devices")
+    n = jax.lax.psum(mb.valid.sum(), "learners")
     share = lambda x: (x * mb.valid).sum() / n
     losses = Losses(
         policy_loss=share(decoupled_surrogate(logp, mb.logp_prox, mb.logp_mu, advantages, args.clip_coef)),
@@ -319,14 +318,13 @@ def annealed_lr(args, num_updates, update_index):  # update_index counts from 0
 
 def make_optimizer(args, num_updates):
     """Adam; the step size decays per update, not per gradient step."""
-    grad_steps_per_update = args.update_epochs * args.num_minibatches
-    lr = lambda count: annealed_lr(args, num_updates, count // grad_steps_per_update)
+    lr = lambda count: annealed_lr(args, num_updates, count // (args.update_epochs * args.num_minibatches))
     return optax.chain(optax.clip_by_global_norm(args.max_grad_norm), optax.adam(lr, eps=1e-5))
 
 def init_state(key, args, env_info, num_updates):
     k_params, k_learn = jax.random.split(key)
     params = init_params(k_params, env_info.obs_shape, env_info.num_actions)
-    return TrainState(params=params, opt_state=make_optimizer(args, num_updates).init(params), key=k_learn)
+    return TrainState(params, make_optimizer(args, num_updates).init(params), k_learn)
 
 def logp_prox_of(params, samples, chunks):
     """log pi_prox of each sample, in `chunks` to bound memory."""
@@ -343,14 +341,13 @@ def logp_prox_of(params, samples, chunks):
 # 4. `learn`, the main thread, takes one rollout from each thread; `make_update`'s `learner_update`
 #    runs on every learner at once (`shard_map`), each on its blocks of them.
 # 5. `ParamStore.publish` copies the new parameters to each actor device, for step 1.
-# The policy lag: while the learners make update u from rollout u - 1, the actors collect rollout u
-# with the parameters of update u - 1 or newer (stats/param_lag); decoupled PPO corrects it.
+# The policy lag: while the learners make update u - 1, the actors collect the rollout for update u
+# with the parameters of update u - 2 or newer (stats/param_lag); decoupled PPO corrects it.
 
 class Layout(NamedTuple):
     actor_devices: list  # this host's
     learner_devices: list  # this host's, in mesh order
-    mesh: Mesh  # all hosts' learners along a named axis, "devices"
-    num_envs: int  # of all hosts
+    mesh: Mesh  # all hosts' learners, host by host, along an axis named "learners"
 
 def pick_devices(args):
     """The devices that act and learn."""
@@ -363,24 +360,22 @@ def pick_devices(args):
     if n > 1 and set(actors) & set(learners):
         fail(f"--learner-device-ids {learners} share a device with --actor-device-ids {actors}")
     hosts = [[d for d in jax.devices() if d.process_index == p] for p in range(jax.process_count())]
-    mesh = Mesh(np.array([host[i] for host in hosts for i in learners]), ("devices",))
+    mesh = Mesh(np.array([host[i] for host in hosts for i in learners]), ("learners",))
     mine = hosts[jax.process_index()]
-    num_envs = jax.process_count() * len(actors) * args.num_actor_threads * args.local_num_envs
     return Layout(actor_devices=[mine[i] for i in actors],
-                  learner_devices=[mine[i] for i in learners], mesh=mesh, num_envs=num_envs)
+                  learner_devices=[mine[i] for i in learners], mesh=mesh)
 
 def initial_state(args, env_info, layout, num_updates):
-    """The replicated TrainState (new or --resume's) and its update. A jax.Array may span devices;
-    its sharding says which part each holds (P(): all). The callback gives each of this host's
-    devices its part (index i): a host can place data only on its own."""
+    """The TrainState (new or --resume's) on every learner, and its update. A jax.Array may span
+    devices; its sharding says which part each holds (P(): all of it). A host places data only on
+    its own devices: make_array_from_process_local_data copies this host's data to them."""
     init = partial(init_state, jax.random.PRNGKey(args.seed), args, env_info, num_updates)
     ckpt = args.resume and load(args, {"state": jax.eval_shape(init), "update": np.int64(0),
-                                       "global_step": np.int64(0)})  # traced only to resume
+                                       "global_step": np.int64(0)})  # eval_shape: shapes, not values
     if ckpt and ckpt["update"] >= num_updates:
         fail(f"--resume {args.resume}: its run has done all {num_updates} updates (raise --total-timesteps)")
-    replicated = NamedSharding(layout.mesh, P())
-    state = jax.tree.map(lambda a: jax.make_array_from_callback(a.shape, replicated, lambda i: a[i]),
-                         ckpt["state"] if ckpt else jax.device_get(init()))
+    tree = ckpt["state"] if ckpt else jax.device_get(init())  # the same on every host
+    state = jax.make_array_from_process_local_data(NamedSharding(layout.mesh, P()), tree)
     return state, int(ckpt["update"]) if ckpt else 0
 
 def local(tree):  # this host's copy of a replicated global array
@@ -458,16 +453,17 @@ def start_actors(args, layout, store, start_update, num_updates):
     return queues
 
 def actor(args, index, device, mesh, store, rollout_queue, start_update, num_updates):
-    """Actor thread `index`, numbered over all hosts' threads."""
+    """Actor thread `index`, numbered over all hosts' threads (no two share an env seed)."""
     groups, states = start_groups(args, index, device, start_update)
-    to_learners = NamedSharding(mesh, P(None, "devices"))  # learner k: block k of axis 1, the envs
-    for u in range(start_update, num_updates):
-        version, params = store.wait(u - int(args.policy_lag), device)  # --no-policy-lag: u
-        stats = ActorStats(returns=[], lengths=[], lag=u - version, timings=defaultdict(float))
+    to_learners = NamedSharding(mesh, P(None, "learners"))
+    for update in range(start_update + 1, num_updates + 1):  # the rollout this update learns from
+        oldest = update - 2 if args.policy_lag else update - 1
+        version, params = store.wait(oldest, device)
+        stats = ActorStats(returns=[], lengths=[], lag=update - 1 - version, timings=defaultdict(float))
         with timer(stats.timings, "rollout_time"):
             rollout, states = collect(args, groups, params, states, stats)
-            # Each host copies its env blocks to its own learners; with all hosts' thread `index`
-            # they make one global array [T, E x hosts, ...].
+            # Each host copies its env blocks to its own learners; with the same thread of the
+            # other hosts they make one global array [T, E x hosts, ...].
             rollout = jax.make_array_from_process_local_data(to_learners, rollout)
         rollout_queue.put((rollout, stats))
 
@@ -485,13 +481,13 @@ def start_groups(args, index, device, start_update):
     return groups, states
 
 def collect(args, groups, params, states, stats):
-    """--num-steps steps of each env group. A pass acts for each group on the actor device and sends
-    its actions to the envs; the next pass receives that step. So with --async-envs the policy acts
-    for one half of the envs while envpool steps the other."""
+    """--num-steps steps of each env group. Pass t receives each group's step t - 1, then acts on
+    the actor device and sends step t; the last pass only receives. With --async-envs the policy
+    thus acts for one half of the envs while envpool steps the other."""
     stored = [[] for _ in groups]  # per group, a dict of [E_g] arrays per step
     for t in range(args.num_steps + 1):
         for g, (envs, state) in enumerate(zip(groups, states)):
-            if t > 0:  # the step sent in the last pass
+            if t > 0:  # state.ended is from before the step: a reset step is not valid
                 with timer(stats.timings, "env_step_time"):
                     step = env_step(envs, stored[g][-1]["actions"])
                 stored[g][-1].update(rewards=step.reward, terminated=step.terminated, ended=step.ended,
@@ -502,17 +498,17 @@ def collect(args, groups, params, states, stats):
                     actions, logp_mu, values, key = act(params, state.obs, state.key)
                     actions = np.asarray(actions)  # the rest stays on the device
                 env_send(envs, actions)
-                stored[g].append(dict(obs=state.obs, actions=actions, logp_mu=logp_mu,
-                                      values=values))
+                stored[g].append(dict(obs=state.obs, actions=actions, logp_mu=logp_mu, values=values))
                 state = state._replace(key=key)
             states[g] = state
     # V(x_T) from `act` (one compilation, not two); its action is dropped: next rollout acts on x_T.
     bootstrap = []
     for g, state in enumerate(states):
         _, _, value, key = act(params, state.obs, state.key)
-        bootstrap, states[g] = bootstrap + [value], state._replace(key=key)
-    # One transfer fetches what stayed on the actor device; each group's steps are stacked along
-    # time, [T, E_g, ...], and the groups joined along the envs.
+        bootstrap.append(value)
+        states[g] = state._replace(key=key)
+    # One transfer fetches what stayed on the actor device; steps stack along time, groups along
+    # the envs.
     stored, bootstrap = jax.device_get((stored, bootstrap))
     rollout = {k: np.concatenate([np.stack([s[k] for s in steps]) for steps in stored], axis=1)
                for k in stored[0][0]}
@@ -529,15 +525,17 @@ def track_games(state, step, stats):
     return ActorState(obs=step.obs, key=state.key, ended=step.ended,
         game_return=np.where(over, 0.0, game_return), game_length=np.where(over, 0, game_length))
 
-def learn(args, layout, run, store, queues, state, start_update, num_updates):
+def learn(args, layout, run, store, queues, state, start_update, batch_size):
     """The learner loop, on the main thread."""
-    update_fn, batch_size = make_update(args, layout.mesh, num_updates), args.num_steps * layout.num_envs
+    update_fn, num_updates = make_update(args, layout.mesh, run.num_updates), run.num_updates
     window, since = [], time.perf_counter()  # (Losses, timings, stats) of each update since a row
     for update in range(start_update + 1, num_updates + 1):
         timings = defaultdict(float)
         with timer(timings, "learner_queue_wait"):
-            received = [q.get() for q in queues]  # rollout update - 1 of each thread
+            received = [q.get() for q in queues]  # each thread's rollout for this update
         with timer(timings, "learner_time"):
+            # JAX returns before the device is done: publish hands on parameters still being
+            # computed (an actor's act waits for them); device_get waits for the losses.
             state, losses = update_fn(state, [rollout for rollout, _ in received])
             store.publish(update, state.params)
             losses = jax.device_get(local(losses))
@@ -553,38 +551,39 @@ def learn(args, layout, run, store, queues, state, start_update, num_updates):
 
 def make_update(args, mesh, num_updates):
     """One PPO update, compiled to run on every learner at once. shard_map gives each learner its
-    part of each input: all of the TrainState (P()), and its block of axis 1, the envs, of each
-    thread's rollout (P(None, "devices"); "devices" names the mesh's axis of learners)."""
+    part of each input: all of the TrainState (P()), and its block of each thread's rollout along
+    axis 1, the envs (P(None, "learners"), the mesh's axis)."""
     optimizer = make_optimizer(args, num_updates)
 
     def learner_update(state, rollouts):  # on one learner, in shard_map
-        # This learner's block of each thread's rollout, joined along the envs: [T, E_l, ...].
+        # This learner's blocks of the threads' rollouts, field by field, joined along the envs.
         r = Rollout(*[jnp.concatenate(field, axis=1) for field in zip(*rollouts)])
         advantages = gae(r.rewards, r.values, r.terminated, r.ended, args.gamma, args.gae_lambda)
-        flat = lambda x: x.reshape(-1, *x.shape[2:])  # [T, E_l, ...] -> [N, ...]
-        samples = jax.tree.map(flat, Samples(obs=r.obs, actions=r.actions, logp_mu=r.logp_mu, values=r.values[:-1],
+        rows = lambda x: x.reshape(-1, *x.shape[2:])  # [T, E_l, ...] -> [N, ...]
+        samples = jax.tree.map(rows, Samples(obs=r.obs, actions=r.actions, logp_mu=r.logp_mu, values=r.values[:-1],
             advantages=advantages, returns=advantages + r.values[:-1], valid=r.valid))
         params, opt_state, key = state
         samples = samples._replace(logp_prox=logp_prox_of(params, samples, args.num_minibatches))
         losses = []
-        # Python loops: on XLA:CPU a conv's gradient inside lax.scan runs ~20x slower (jax issue 12868).
+        # Python loops: a conv's gradient in lax.scan runs ~20x slower on XLA:CPU (jax issue 12868).
         for _ in range(args.update_epochs):
             key, sub = jax.random.split(key)
             order = jax.random.permutation(sub, len(samples.actions)).reshape(args.num_minibatches, -1)
             for idx in order:
                 mb = jax.tree.map(lambda x: x[idx], samples)
                 grads, mb_losses = jax.grad(ppo_loss, has_aux=True)(params, mb, args)
-                grads = jax.lax.psum(grads, "devices")  # the shares' gradients add up to the mean's
+                grads = jax.lax.psum(grads, "learners")  # the shares' gradients add up to the mean's
+                # optax is functional: it returns the changes and its next state.
                 changes, opt_state = optimizer.update(grads, opt_state, params)
                 params = optax.apply_updates(params, changes)
-                losses.append(jax.lax.psum(mb_losses, "devices"))
+                losses.append(jax.lax.psum(mb_losses, "learners"))
         mean = jax.tree.map(lambda *x: jnp.stack(x).mean(), *losses)
         mean = mean._replace(clipfrac_first=losses[0].clipfrac_first)
-        return TrainState(params=params, opt_state=opt_state, key=key), mean
+        return TrainState(params, opt_state, key), mean
 
     # check_vma=False: learner_update psums the gradients itself. With the check on, JAX would
     # already sum those of the replicated (P()) parameters, and the psum would add them again.
-    specs = dict(in_specs=(P(), P(None, "devices")), out_specs=(P(), P()))
+    specs = dict(in_specs=(P(), P(None, "learners")), out_specs=(P(), P()))
     return jax.jit(jax.shard_map(learner_update, mesh=mesh, **specs, check_vma=False))
 
 
@@ -626,7 +625,8 @@ def check_sizes(args, layout):
         fail(f"--local-num-envs {args.local_num_envs} must divide among {n_learners} learners")
     if args.async_envs and args.local_num_envs % 2:
         fail(f"--local-num-envs {args.local_num_envs} must be even with --async-envs")
-    batch_size = args.num_steps * layout.num_envs
+    envs_per_host = len(layout.actor_devices) * args.num_actor_threads * args.local_num_envs
+    batch_size = args.num_steps * envs_per_host * jax.process_count()
     if args.total_timesteps < batch_size:
         fail(f"--total-timesteps {args.total_timesteps} is less than one update ({batch_size:,} steps)")
     if (batch_size // layout.mesh.size) % args.num_minibatches:
@@ -635,7 +635,7 @@ def check_sizes(args, layout):
 
 def note_a_cpu_learner(args, env_info, layout):  # where a run would take days
     if layout.learner_devices[0].platform == "cpu" and cnn_for(env_info.obs_shape) == NATURE:
-        print("note: a CPU learner trains 4 epochs of the Nature CNN at about 190 steps/s (2 cores); README's CPU "
+        print("note: a CPU learner trains the Nature CNN at about 190 steps/s (2 cores); README's CPU "
               "recipe: --num-actor-threads 1 --local-num-envs 8 --num-steps 32 --update-epochs 2 --no-anneal-lr "
               "--log-every 8", flush=True)
 
@@ -653,7 +653,7 @@ def main(args):
     # A stop (a signal, a diverged run) exits by os._exit: Python's shutdown would abort the
     # process if an actor thread is inside envpool.
     try:
-        state, row = learn(args, layout, run, store, queues, state, start_update, num_updates)
+        state, row = learn(args, layout, run, store, queues, state, start_update, batch_size)
     except SystemExit as stop:
         os._exit(stop.code)
     row["checksum"] = checksum(state.params)
@@ -668,8 +668,8 @@ def fail(message):
     sys.exit(2)
 
 def start(args):
-    """First in `main`: refuse counts below 1, join the other hosts, then catch SIGINT and SIGTERM from here on (JAX
-    drops a Ctrl-C that lands in its callbacks, and jax.distributed sets a SIGTERM handler of its own)."""
+    """First in `main`: refuse counts below 1, join the other hosts, then catch SIGINT and SIGTERM: JAX drops a
+    Ctrl-C raised in its callbacks, and jax.distributed sets a SIGTERM handler of its own."""
     if low := [k for k, v in vars(args).items() if type(v) is int and v < 1 and k not in ("seed", "process_id")]:
         fail(f"--{low[0].replace('_', '-')} {getattr(args, low[0])} must be at least 1")  # a count
     if args.distributed:  # flags left unset are found by JAX itself (SLURM, Cloud TPU, Kubernetes)

@@ -240,10 +240,10 @@ state = impala.init_state(jax.random.PRNGKey(0), args, impala.EnvInfo((6,), A, "
 params = state.params
 outs = []
 for n in (1, 2):
-    mesh = Mesh(np.array(jax.devices()[:n]), ("devices",))
+    mesh = Mesh(np.array(jax.devices()[:n]), ("learners",))
     # Two actor threads' rollouts of 2 envs each: each learner joins its block of both.
     threads = [jax.tree.map(lambda x: x[:, half], batch) for half in (slice(0, 2), slice(2, 4))]
-    placed = jax.device_put(threads, NamedSharding(mesh, P(None, "devices")))
+    placed = jax.device_put(threads, NamedSharding(mesh, P(None, "learners")))
     new, info = impala.make_update(args, mesh, 10)(jax.device_put(state, NamedSharding(mesh, P())), placed)
     outs.append((jax.tree.leaves(jax.device_get(new.params)), np.asarray(jax.device_get(info))))
 moved = max(float(np.abs(a - b).max()) for a, b in zip(outs[0][0], jax.tree.leaves(params)))

@@ -121,7 +121,7 @@ def test_advantage_normalisation_spans_all_learners_and_skips_masked_samples(ppo
     adv = rng.normal(3.0, 2.0, size=(2, 6)).astype(np.float32)  # 2 learners x 6 samples
     mask = np.ones((2, 6), np.float32)
     mask[0, :2] = 0
-    got = np.asarray(jax.vmap(ppo.normalize, axis_name="devices")(adv, mask))
+    got = np.asarray(jax.vmap(ppo.normalize, axis_name="learners")(adv, mask))
     valid = adv[mask == 1]
     np.testing.assert_allclose(got[mask == 1], (valid - valid.mean()) / valid.std(), rtol=1e-4, atol=1e-5)
 
@@ -181,7 +181,7 @@ def test_repeated_updates_on_one_batch_favour_positive_advantage_actions_and_fit
                           np.ones((T, E), np.float32))
     adv = np.asarray(ppo.gae(rewards, values, zeros, zeros, args.gamma, args.gae_lambda))
     returns = adv + values[:-1]
-    update = ppo.make_update(args, Mesh(np.array(jax.devices()[:1]), ("devices",)), 100)
+    update = ppo.make_update(args, Mesh(np.array(jax.devices()[:1]), ("learners",)), 100)
 
     def measure(params):
         logits, v = jax.vmap(ppo.apply, (None, 0))(params, obs)
