@@ -163,7 +163,7 @@ def env_reset(envs):
 # actor marks it not `valid`: the loss and game lengths leave it out. Its row holds the ended
 # episode's last observation: a truncated episode bootstraps from its value.
 
-class Step(NamedTuple):  # Atari: a lost life ends a training episode, the last one the game
+class Step(NamedTuple):  # Atari: each lost life ends a training episode, the last also the game
     obs: np.ndarray  # [E, *obs_shape]
     reward: np.ndarray  # [E] (Atari: clipped)
     terminated: np.ndarray  # [E] the episode ended for good: no bootstrap from obs
@@ -199,7 +199,7 @@ def conv_init(key, c_in, c_out, size=3):
     return {"w": jax.nn.initializers.he_normal()(key, (size, size, c_in, c_out)), "b": jnp.zeros(c_out)}
 
 def init_params(key, obs_shape, num_actions, network):
-    # Layer i takes key i of 32; any count above the layers' gives the same keys.
+    # 32 keys, more than any network here has layers: each layer takes the next one.
     keys, torso = iter(jax.random.split(key, 32)), {}
     if network == "mlp":
         for head in ("policy", "value"):  # two MLPs: in one, the value's gradients swamp the policy's
@@ -303,7 +303,7 @@ class Losses(NamedTuple):
 def impala_loss(params, rollout, args):
     """Summed over this learner's valid steps, as in the IMPALA paper: with RMSProp's epsilon 0.01
     a mean's gradients (T x E times smaller) would be swamped. A psum adds the learners' sums into
-    the global batch's, where a local .mean() would count once per learner."""
+    the global batch's; a psum of local .mean()s would be L (learners) times the mean."""
     logits, values = apply(params, rollout.obs, args.network)  # [T+1, E, A], [T+1, E]
     logp_taken = log_prob(logits[:-1], rollout.actions)  # log pi
     rhos = jnp.exp(logp_taken - log_prob(rollout.logits, rollout.actions))
@@ -633,7 +633,8 @@ def main(args):
     num_updates = args.total_timesteps // batch_size
     state, start_update = initial_state(args, env_info, layout, num_updates)
     run = open_run(args, start_update, num_updates)
-    (store := ParamStore(layout.actor_devices)).publish(start_update, state.params)
+    store = ParamStore(layout.actor_devices)
+    store.publish(start_update, state.params)
     queues = start_actors(args, layout, store, start_update, num_updates)
     # A stop (a signal, a diverged run) exits by os._exit: Python's shutdown would abort the
     # process if an actor thread is inside envpool.

@@ -151,7 +151,7 @@ def env_reset(envs):
 # actor marks it not `valid`: the loss and game lengths leave it out. Its row holds the ended
 # episode's last observation: a truncated episode bootstraps from its value.
 
-class Step(NamedTuple):  # Atari: a lost life ends a training episode, the last one the game
+class Step(NamedTuple):  # Atari: each lost life ends a training episode, the last also the game
     obs: np.ndarray  # [E, *obs_shape]
     reward: np.ndarray  # [E] (Atari: clipped)
     terminated: np.ndarray  # [E] the episode ended for good: no bootstrap from obs
@@ -192,7 +192,7 @@ def conv_init(key, c_in, c_out, size):
 
 def init_params(key, obs_shape, num_actions):
     convs, hidden = cnn_for(obs_shape)
-    # Layer i takes key i of 32; any count above the layers' gives the same keys.
+    # 32 keys, more than any network here has layers: each layer takes the next one.
     keys, torso = iter(jax.random.split(key, 32)), {}
     c_in, (h, w) = obs_shape[0], obs_shape[1:]
     for i, (c, size, stride) in enumerate(convs):
@@ -245,7 +245,7 @@ def gae(rewards, values, terminated, ended, gamma, lam):
     return advantages
 
 def normalize(advantages, valid):
-    """Zero mean, unit std over all learners' valid samples (psum sums over "learners")."""
+    """Zero mean, unit std over all learners' valid samples."""
     n = jax.lax.psum(valid.sum(), "learners")
     mean = jax.lax.psum((advantages * valid).sum(), "learners") / n
     var = jax.lax.psum((((advantages - mean) ** 2) * valid).sum(), "learners") / n
@@ -287,8 +287,8 @@ class Losses(NamedTuple):
     clipfrac_first: jax.Array  # pi / mu outside it first: what plain PPO drops
 
 def ppo_loss(params, mb, args):
-    """Each term is this learner's share of the minibatch mean, its samples' sum over the global
-    count n: one psum of the shares is the mean, where a local .mean() would count per learner."""
+    """Each term is this learner's share of the minibatch mean: its samples' sum over n, the count on
+    all learners. Their psum is the mean; a psum of local .mean()s would be L (learners) times it."""
     logits, values = apply(params, mb.obs)
     logp = log_prob(logits, mb.actions)
     log_ratio = logp - mb.logp_prox
@@ -648,7 +648,8 @@ def main(args):
     num_updates = args.total_timesteps // batch_size
     state, start_update = initial_state(args, env_info, layout, num_updates)
     run = open_run(args, start_update, num_updates)
-    (store := ParamStore(layout.actor_devices)).publish(start_update, state.params)
+    store = ParamStore(layout.actor_devices)
+    store.publish(start_update, state.params)
     queues = start_actors(args, layout, store, start_update, num_updates)
     # A stop (a signal, a diverged run) exits by os._exit: Python's shutdown would abort the
     # process if an actor thread is inside envpool.
