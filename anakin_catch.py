@@ -123,7 +123,7 @@ def apply(params, obs):
     return x @ params["out"]["w"] + params["out"]["b"]
 
 
-# ---- The loss: Q(lambda), bootstrapping with max_a Q
+# ---- The loss: Peng's Q(lambda), bootstrapping with max_a Q
 
 def lambda_returns(rewards, discounts, next_values, lam):
     """G_t = r_t + d_t ((1 - lam) v_t+1 + lam G_t+1), from G_T = v_T backwards; all [T].
@@ -258,10 +258,10 @@ def make_train(args, mesh):
         return jax.lax.fori_loop(0, n, one_update, (state, zeros))  # a compiled for-loop
 
     # shard_map runs `train` on each device with its share: P("devices") splits an array's first
-    # axis over the mesh axis "devices", P() gives each device all of it. Each device computes its
-    # lanes' gradient and `update`'s pmean averages them. With check_vma=True, JAX would see that
-    # params are the same everywhere and sum their gradient itself: the pmean would return N times
-    # the mean. Off, it works as the colab's pmap does.
+    # axis over the mesh axis "devices", P() gives each device all of it. check_vma=False makes it
+    # work as the colab's pmap: each device's lanes' gradient stays its own until `update`'s pmean
+    # averages them. (With the check on, JAX would see that params are the same everywhere and sum
+    # their gradient itself: the pmean would return N times the mean.)
     sharded = jax.shard_map(train, mesh=mesh, in_specs=(STATE_SPECS, P()), out_specs=(STATE_SPECS, P()),
                             check_vma=False)
     return jax.jit(sharded, donate_argnums=0)  # the new state takes the old one's memory

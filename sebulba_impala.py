@@ -339,15 +339,19 @@ def init_state(key, args, env_info, num_updates):
 
 
 # ---- One rollout's path, device placements included, as its data flows
-# 1. `actor`, a host thread, takes the newest parameters (`ParamStore.wait`) on its actor device.
-# 2. `collect` steps the envs on the host; `act` samples on the actor device, and only the actions
-#    come to the host each step (the logits stay until the rollout's end, fetched at once).
-# 3. `actor` copies block k of the rollout's envs to learner k, and queues the rollout.
+# 1. `actor`, a host thread, takes the newest parameters (`ParamStore.wait`), on its actor device:
+#    for the rollout of update u, those of update u - 2 or newer, as the learners make update
+#    u - 1 meanwhile: at most one update behind (stats/param_lag); V-trace corrects it.
+# 2. `collect` steps the envs on the host. jit runs `act` where its inputs (parameters, key) are, on
+#    the actor device; only the actions come to the host each step (np.asarray waits for them),
+#    the logits at the rollout's end (one device_get).
+# 3. `actor` makes the host Rollout [T, E, ...] a jax.Array over the mesh (all hosts' learners in a
+#    row): with the sharding P(None, "learners"), make_array_from_process_local_data copies block k
+#    of axis 1, the envs, to learner k. The same thread of every host fills one array.
 # 4. `learn`, the main thread, takes one rollout from each thread; `make_update`'s `learner_update`
-#    runs on every learner at once (`shard_map`), each on its blocks of them.
-# 5. `ParamStore.publish` copies the new parameters to each actor device, for step 1.
-# The policy lag: while the learners make update u - 1, the actors collect the rollout for update u
-# with the parameters of update u - 2 or newer (stats/param_lag); V-trace's pi / mu corrects it.
+#    runs on every learner at once (`shard_map`), each on its blocks; `psum` sums over them all.
+# 5. `ParamStore.publish` copies the new parameters to each actor device, for step 1. JAX returns
+#    before the device is done: an actor's `act` may wait for them.
 
 class Layout(NamedTuple):
     actor_devices: list  # this host's
@@ -386,7 +390,7 @@ def initial_state(args, env_info, layout, num_updates):
 def local(tree):  # this host's copy of a replicated global array
     return jax.tree.map(lambda x: x.addressable_shards[0].data, tree)
 
-# jit compiles `act` once per input shape and runs it where its inputs are: the actor device.
+# jit compiles `act` once per input shape.
 @partial(jax.jit, static_argnames="network")  # `network` picks code: each value compiles anew
 def act(params, obs, key, network):
     key, sub = jax.random.split(key)
@@ -464,8 +468,6 @@ def actor(args, index, device, mesh, store, rollout_queue, start_update, num_upd
         stats = ActorStats(returns=[], lengths=[], lag=update - 1 - version, timings=defaultdict(float))
         with timer(stats.timings, "rollout_time"):
             rollout, states = collect(args, groups, params, states, stats)
-            # Each host copies its env blocks to its own learners; with the same thread of the
-            # other hosts they make one global array [T, E x hosts, ...].
             rollout = jax.make_array_from_process_local_data(to_learners, rollout)
         rollout_queue.put((rollout, stats))
 
@@ -530,8 +532,6 @@ def learn(args, layout, run, store, queues, state, start_update, batch_size):
         with timer(timings, "learner_queue_wait"):
             received = [q.get() for q in queues]  # each thread's rollout for this update
         with timer(timings, "learner_time"):
-            # JAX returns before the device is done: publish hands on parameters still being
-            # computed (an actor's act waits for them); device_get waits for the losses.
             state, losses = update_fn(state, [rollout for rollout, _ in received])
             store.publish(update, state.params)
             losses = jax.device_get(local(losses))
@@ -555,7 +555,7 @@ def make_update(args, mesh, num_updates):
         # This learner's blocks of the threads' rollouts, field by field, joined along the envs.
         rollout = Rollout(*[jnp.concatenate(field, axis=1) for field in zip(*rollouts)])
         grads, losses = jax.grad(impala_loss, has_aux=True)(state.params, rollout, args)
-        # psum over "learners" gives every learner the sum over all: all take the same step.
+        # Every learner gets the sums over all learners, so all take the same step.
         grads, losses, num_valid = jax.lax.psum((grads, losses, rollout.valid.sum()), "learners")
         # optax is functional: it returns the changes and its new state.
         changes, opt_state = optimizer.update(grads, state.opt_state, state.params)

@@ -245,7 +245,8 @@ def gae(rewards, values, terminated, ended, gamma, lam):
     return advantages
 
 def normalize(advantages, valid):
-    """Zero mean, unit std over all learners' valid samples."""
+    """Zero mean, unit std over all learners' valid samples: psum gives each learner the sum over
+    all of them."""
     n = jax.lax.psum(valid.sum(), "learners")
     mean = jax.lax.psum((advantages * valid).sum(), "learners") / n
     var = jax.lax.psum((((advantages - mean) ** 2) * valid).sum(), "learners") / n
@@ -263,18 +264,18 @@ def decoupled_surrogate(logp, logp_prox, logp_mu, advantages, clip):
     ratio = jnp.exp(logp - jax.lax.stop_gradient(logp_prox))
     return weight * clipped_surrogate(ratio, advantages, clip)
 
-def clipped_value_loss(values, old_values, returns, clip):
+def clipped_value_loss(values, old_values, targets, clip):
     """Value loss per sample, clipped around the acting-time value."""
     clipped = old_values + jnp.clip(values - old_values, -clip, clip)
-    return 0.5 * jnp.maximum((values - returns) ** 2, (clipped - returns) ** 2)
+    return 0.5 * jnp.maximum((values - targets) ** 2, (clipped - targets) ** 2)
 
-class Samples(NamedTuple):  # a learner's
+class Samples(NamedTuple):
     obs: jax.Array  # [N, *obs_shape], the rest [N]
     actions: jax.Array
     logp_mu: jax.Array
     values: jax.Array  # at acting time
     advantages: jax.Array
-    returns: jax.Array
+    targets: jax.Array  # the value's
     valid: jax.Array
     logp_prox: jax.Array | None = None
 
@@ -299,7 +300,7 @@ def ppo_loss(params, mb, args):
     share = lambda x: (x * mb.valid).sum() / n
     losses = Losses(
         policy_loss=share(decoupled_surrogate(logp, mb.logp_prox, mb.logp_mu, advantages, args.clip_coef)),
-        value_loss=share(clipped_value_loss(values, mb.values, mb.returns, args.clip_coef)),
+        value_loss=share(clipped_value_loss(values, mb.values, mb.targets, args.clip_coef)),
         entropy=share(entropy(logits)), approx_kl=share((ratio - 1) - log_ratio),
         clipfrac=share(outside(ratio)), clipfrac_first=share(outside(jnp.exp(logp - mb.logp_mu))))
     loss = losses.policy_loss - args.ent_coef * losses.entropy + args.vf_coef * losses.value_loss
@@ -334,15 +335,19 @@ def logp_prox_of(params, samples, chunks):
 
 
 # ---- One rollout's path, device placements included, as its data flows
-# 1. `actor`, a host thread, takes the newest parameters (`ParamStore.wait`) on its actor device.
-# 2. `collect` steps the envs on the host; `act` samples on the actor device, and only the actions
-#    come to the host each step (log-probs, values stay until the rollout's end, fetched at once).
-# 3. `actor` copies block k of the rollout's envs to learner k, and queues the rollout.
+# 1. `actor`, a host thread, takes the newest parameters (`ParamStore.wait`), on its actor device:
+#    for the rollout of update u, those of update u - 2 or newer, as the learners make update
+#    u - 1 meanwhile: at most one update behind (stats/param_lag); decoupled PPO corrects it.
+# 2. `collect` steps the envs on the host. jit runs `act` where its inputs (parameters, key) are, on
+#    the actor device; only the actions come to the host each step (np.asarray waits for them),
+#    the log-probs and values at the rollout's end (one device_get).
+# 3. `actor` makes the host Rollout [T, E, ...] a jax.Array over the mesh (all hosts' learners in a
+#    row): with the sharding P(None, "learners"), make_array_from_process_local_data copies block k
+#    of axis 1, the envs, to learner k. The same thread of every host fills one array.
 # 4. `learn`, the main thread, takes one rollout from each thread; `make_update`'s `learner_update`
-#    runs on every learner at once (`shard_map`), each on its blocks of them.
-# 5. `ParamStore.publish` copies the new parameters to each actor device, for step 1.
-# The policy lag: while the learners make update u - 1, the actors collect the rollout for update u
-# with the parameters of update u - 2 or newer (stats/param_lag); decoupled PPO corrects it.
+#    runs on every learner at once (`shard_map`), each on its blocks; `psum` sums over them all.
+# 5. `ParamStore.publish` copies the new parameters to each actor device, for step 1. JAX returns
+#    before the device is done: an actor's `act` may wait for them.
 
 class Layout(NamedTuple):
     actor_devices: list  # this host's
@@ -381,7 +386,7 @@ def initial_state(args, env_info, layout, num_updates):
 def local(tree):  # this host's copy of a replicated global array
     return jax.tree.map(lambda x: x.addressable_shards[0].data, tree)
 
-# jit compiles `act` once per input shape and runs it where its inputs are: the actor device.
+# jit compiles `act` once per input shape.
 @jax.jit
 def act(params, obs, key):
     key, sub = jax.random.split(key)
@@ -462,8 +467,6 @@ def actor(args, index, device, mesh, store, rollout_queue, start_update, num_upd
         stats = ActorStats(returns=[], lengths=[], lag=update - 1 - version, timings=defaultdict(float))
         with timer(stats.timings, "rollout_time"):
             rollout, states = collect(args, groups, params, states, stats)
-            # Each host copies its env blocks to its own learners; with the same thread of the
-            # other hosts they make one global array [T, E x hosts, ...].
             rollout = jax.make_array_from_process_local_data(to_learners, rollout)
         rollout_queue.put((rollout, stats))
 
@@ -501,7 +504,7 @@ def collect(args, groups, params, states, stats):
                 stored[g].append(dict(obs=state.obs, actions=actions, logp_mu=logp_mu, values=values))
                 state = state._replace(key=key)
             states[g] = state
-    # V(x_T) from `act` (one compilation, not two); its action is dropped: next rollout acts on x_T.
+    # V(x_T) comes from `act` (no second compilation); its action is dropped.
     bootstrap = []
     for g, state in enumerate(states):
         _, _, value, key = act(params, state.obs, state.key)
@@ -534,8 +537,6 @@ def learn(args, layout, run, store, queues, state, start_update, batch_size):
         with timer(timings, "learner_queue_wait"):
             received = [q.get() for q in queues]  # each thread's rollout for this update
         with timer(timings, "learner_time"):
-            # JAX returns before the device is done: publish hands on parameters still being
-            # computed (an actor's act waits for them); device_get waits for the losses.
             state, losses = update_fn(state, [rollout for rollout, _ in received])
             store.publish(update, state.params)
             losses = jax.device_get(local(losses))
@@ -561,7 +562,7 @@ def make_update(args, mesh, num_updates):
         advantages = gae(r.rewards, r.values, r.terminated, r.ended, args.gamma, args.gae_lambda)
         rows = lambda x: x.reshape(-1, *x.shape[2:])  # [T, E_l, ...] -> [N, ...]
         samples = jax.tree.map(rows, Samples(obs=r.obs, actions=r.actions, logp_mu=r.logp_mu, values=r.values[:-1],
-            advantages=advantages, returns=advantages + r.values[:-1], valid=r.valid))
+            advantages=advantages, targets=advantages + r.values[:-1], valid=r.valid))
         params, opt_state, key = state
         samples = samples._replace(logp_prox=logp_prox_of(params, samples, args.num_minibatches))
         losses = []
