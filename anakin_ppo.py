@@ -57,7 +57,7 @@ class Args:
     env_id: str = "CartPole-v1"  # CartPole-v1 (discrete) or Pendulum-v1 (continuous)
     seed: int = 1  # agent i of --num-seeds draws from (seed, i)
     num_seeds: int = 1  # independent agents, side by side (vmap)
-    # A flag left at None takes its env's value, from ENVS.
+    # A flag left at None takes its env's value in ENVS.
     total_timesteps: int | None = None  # env steps of one agent (CartPole-v1 500_000, Pendulum-v1 1_000_000)
     learning_rate: float | None = None  # Adam step size (CartPole-v1 2.5e-4, Pendulum-v1 1e-3)
     anneal_lr: bool = True  # the step size falls linearly to zero
@@ -75,7 +75,7 @@ class Args:
     max_grad_norm: float = 0.5  # global-norm gradient clip
     log_every: int = 50  # updates per compiled call and log line
     checkpoint_every: int = 500  # updates between checkpoints
-    # These flags are for the plumbing section at the end of the file.
+    # For the plumbing at the end of the file.
     exp_name: str = Path(__file__).stem  # in the run folder's name
     run_dir: str = "runs"  # parent folder of run folders
     resume: str | None = None  # a checkpoint.npz to continue
@@ -191,7 +191,7 @@ def env_step(env, env_state, action, fresh):
     final_obs = env.observe(inner)
     fresh_state, first_obs = fresh
     going_on = EnvState(inner=inner, t=t, ep_return=ep_return)
-    # jax.tree.map applies the function leaf by leaf (array by array).
+    # jax.tree.map applies the function to each leaf (array).
     env_state = jax.tree.map(lambda a, b: jnp.where(done, a, b), fresh_state, going_on)
     outcome = Outcome(obs=jnp.where(done, first_obs, final_obs), final_obs=final_obs, reward=reward,
                       terminated=terminated, truncated=truncated,
@@ -214,7 +214,8 @@ def init_mlp(rng, sizes, last_scale):
 
 
 def mlp(params, x):
-    layers = list(params.values())
+    # By name, as JAX sorts dict keys ("layer10" < "layer2").
+    layers = [params[f"layer{i}"] for i in range(len(params))]
     for layer in layers[:-1]:
         x = jnp.tanh(x @ layer["w"] + layer["b"])
     return x @ layers[-1]["w"] + layers[-1]["b"]
@@ -275,8 +276,8 @@ def gae(rewards, values, next_values, terminated, done, gamma, lam):
         adv = delta + gamma * lam * (1.0 - d) * adv_next
         return adv, adv
 
-    # jax.lax.scan, a loop compiled once, calls `backward` on each row, last first, passing
-    # `adv_next` from call to call and stacking what each call returns.
+    # jax.lax.scan, a compiled loop, calls `backward` on each row, last first, carrying `adv_next`
+    # and stacking the outputs.
     _, advantages = jax.lax.scan(backward, jnp.zeros_like(deltas[0]), (deltas, done), reverse=True)
     return advantages, advantages + values
 
@@ -304,7 +305,7 @@ class Batch(NamedTuple):
     """Leaves [N, ...]: one row a transition."""
     obs: jax.Array
     action: jax.Array
-    old_log_prob: jax.Array  # under the policy that acted
+    old_log_prob: jax.Array
     value: jax.Array
     advantage: jax.Array
     target: jax.Array
@@ -320,9 +321,7 @@ class Losses(NamedTuple):
 
 def normalize(advantages):
     """Normalise over the minibatch's rows on all devices, so that N devices of E envs run the
-    algorithm of one device of N x E envs. This runs on each device, in `make_train`'s shard_map
-    over the mesh axis "devices": psum(x, "devices") sums x over the devices. Under the vmap over
-    seeds, each seed's psum sums its own x."""
+    algorithm of one device of N x E envs. psum(x, "devices") sums each seed's x over devices."""
     n = jax.lax.psum(jnp.float32(advantages.size), "devices")
     mean = jax.lax.psum(advantages.sum(), "devices") / n
     var = jax.lax.psum(((advantages - mean) ** 2).sum(), "devices") / n
@@ -330,19 +329,16 @@ def normalize(advantages):
 
 
 def ppo_loss(params, minibatch, args, env):
-    """Each term is a mean over this device's rows. All devices hold as many rows, so the pmean of
-    their gradients in `gradient_steps` is the gradient of the mean over all rows: a term added as a
-    local `.mean()` is right on any number of devices."""
+    """All devices hold as many rows, so the pmean of their gradients in `gradient_steps` is the
+    gradient of the mean over all rows: each term's local `.mean()` is right on any device count."""
     out, values = apply(params, minibatch.obs)
     adv = normalize(minibatch.advantage)
     new_log_prob = log_prob(env, params, out, minibatch.action)
-    pg_loss, approx_kl, clipfrac = policy_loss(
-        new_log_prob, minibatch.old_log_prob, adv, args.clip_coef)
+    pg_loss, approx_kl, clipfrac = policy_loss(new_log_prob, minibatch.old_log_prob, adv, args.clip_coef)
     v_loss = value_loss(values, minibatch.value, minibatch.target, args.clip_coef, args.clip_vloss)
     ent = entropy(env, params, out).mean()
     loss = pg_loss - args.ent_coef * ent + args.vf_coef * v_loss
-    losses = Losses(pg_loss, v_loss, ent, approx_kl, clipfrac)
-    return loss, losses
+    return loss, Losses(pg_loss, v_loss, ent, approx_kl, clipfrac)
 
 
 # ---- Acting and learning on one device: the Anakin unit
@@ -377,8 +373,8 @@ def learning_rate_at(args, num_updates, update_index):
 
 
 def make_optimizer(args, num_updates):
-    """Adam on the clipped gradient, flattened into one vector: a few XLA kernels a step instead of
-    a few per array, which trains CartPole 1.4x faster."""
+    """Adam on the clipped gradient, flattened into one vector: a few XLA kernels a step, not a few
+    per array, which trains CartPole 1.4x faster."""
     minibatches_per_update = args.update_epochs * args.num_minibatches
     # optax counts gradient steps; the learning rate changes once an update.
     schedule = lambda count: learning_rate_at(args, num_updates, count // minibatches_per_update)
@@ -388,18 +384,17 @@ def make_optimizer(args, num_updates):
 
 def init_state(key, params, args, env, num_envs):
     k_envs, k_run = jax.random.split(key)
-    # jax.vmap turns a function of one env into one of many: each array gains a leading axis, a row
-    # per env.
+    # jax.vmap runs a function of one env on many: each array gains a leading axis, a row per env.
     env_state, obs = jax.vmap(partial(env_reset, env))(jax.random.split(k_envs, num_envs))
-    # Adam's initial state (a step count, zero moments) is the same for any schedule.
+    # Adam's initial state (step count, zero moments) is the same for any schedule.
     opt_state = make_optimizer(args, num_updates=1).init(params)
     return TrainState(params=params, opt_state=opt_state, env_state=env_state, obs=obs, key=k_run)
 
 
 def rollout(params, env_state, obs, k_act, k_reset, args, env):
     num_envs = obs.shape[0]
-    # Every env draws a new episode each step, used where its episode ended: under vmap, a reset
-    # only where needed would run for every env anyway.
+    # Every env draws a fresh episode each step, used where one ended: under vmap, a reset only
+    # where needed would run for all envs anyway.
     noise = draw_noise(env, k_act, (args.num_steps, num_envs, env.action_size))
     resets = jax.random.split(k_reset, (args.num_steps, num_envs))
     fresh = jax.vmap(jax.vmap(partial(env_reset, env)))(resets)
@@ -407,7 +402,7 @@ def rollout(params, env_state, obs, k_act, k_reset, args, env):
     def act_and_step(carry, x):
         env_state, obs = carry
         noise, fresh = x
-        out, _ = apply(params, obs)  # the values come in one pass after the rollout
+        out, _ = apply(params, obs)  # values come in one pass after the rollout
         action = sample(env, params, out, noise)
         env_state, outcome = jax.vmap(partial(env_step, env))(env_state, action, fresh)
         old_log_prob = log_prob(env, params, out, action)
@@ -419,11 +414,11 @@ def rollout(params, env_state, obs, k_act, k_reset, args, env):
 
 
 def gradient_steps(params, opt_state, batch, key, optimizer, args, env):
-    """Epochs of shuffled minibatches, a gradient step each on the mean gradient of all devices."""
+    """Epochs of shuffled minibatches, a step each on the devices' mean gradient."""
     def gradient_step(carry, minibatch):
         params, opt_state = carry
         grads, losses = jax.grad(ppo_loss, has_aux=True)(params, minibatch, args, env)
-        grads = jax.lax.pmean(grads, "devices")  # the mean over devices, the same on each
+        grads = jax.lax.pmean(grads, "devices")  # the same on every device
         changes, opt_state = optimizer.update(grads, opt_state)
         return (optax.apply_updates(params, changes), opt_state), losses
 
@@ -462,8 +457,7 @@ def update(state, optimizer, args, env):
 
 # ---- The device mapping: loop updates, vmap seeds, shard_map devices
 
-# shard_map (in `make_train`) runs the training on each device with its share of each array: P()
-# gives each device the whole array (replicated), P(None, "devices") splits the envs' axis 1.
+# shard_map's specs (see `make_train`): P() replicates an array, P(None, "devices") splits axis 1.
 STATE_SPECS = TrainState(params=P(), opt_state=P(), env_state=P(None, "devices"), obs=P(None, "devices"),
                          key=P())
 
@@ -479,11 +473,16 @@ def make_train(args, env, mesh, num_updates):
             return state, jax.tree.map(jnp.add, total, stats)
 
         zero = jnp.float32(0)
-        zeros = Stats(losses=Losses(*[zero] * 5), return_sum=zero, length_sum=jnp.int32(0), episodes=zero)
+        losses = Losses(*[zero] * len(Losses._fields))
+        zeros = Stats(losses=losses, return_sum=zero, length_sum=jnp.int32(0), episodes=zero)
         return jax.lax.fori_loop(0, n, one_update, (state, zeros))
 
-    # The vmap gives `train` one agent's state (row i of each leaf), and the same `n` to all.
-    # check_vma=True would sum the replicated parameters' gradients over devices before our pmean.
+    # The global state's leaves are [seeds, all envs, ...] (params [seeds, ...]). shard_map gives
+    # each device [seeds, E, ...], its own E envs of every seed. The vmap gives `train` one agent's
+    # [E, ...], and the same `n` to all. Under the vmap, pmean and psum over "devices" reduce each
+    # seed's values over devices, never across seeds. check_vma=False leaves values per-device, as
+    # under pmap, until the code's own pmean. With the check on, JAX would itself sum the
+    # replicated params' gradients over the N devices, making the pmean N times too big.
     sharded = jax.shard_map(jax.vmap(train, in_axes=(0, None)), mesh=mesh, in_specs=(STATE_SPECS, P()),
                             out_specs=(STATE_SPECS, P()), check_vma=False)
     # On the CPU, LLVM's -O1 compiles this program 2-3x faster than its default -O2; it runs as fast.
@@ -584,7 +583,7 @@ def main(args: Args) -> dict:
                "charts/SPS": n * steps_per_update * args.num_seeds / (time.time() - tic),
                **metrics_row(stats, n, learning_rate_at(args, num_updates, updates_done - 1))}
         log(run, row)
-        # A checkpoint is due if this call passed a multiple of --checkpoint-every, and after the last.
+        # Checkpoint when a call passes a multiple of --checkpoint-every, and after the last.
         due = updates_done % args.checkpoint_every < n or updates_done == num_updates
         safe_point(args, run, updates_done, due, partial(checkpoint, state, updates_done, steps_per_update))
     row["checksum"] = checksum(state.params)
