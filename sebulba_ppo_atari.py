@@ -341,8 +341,8 @@ def logp_prox_of(params, samples, chunks):
 # 2. `collect` steps the envs on the host. jit runs `act` where its inputs (parameters, key) are, on
 #    the actor device; only the actions come to the host each step (np.asarray waits for them),
 #    the log-probs and values at the rollout's end (one device_get).
-# 3. `actor` makes the host Rollout [T, E, ...] a jax.Array over the mesh (all hosts' learners in a
-#    row): with the sharding P(None, "learners"), make_array_from_process_local_data copies block k
+# 3. `actor` makes the host Rollout [T, E, ...] a jax.Array over the mesh (all hosts' learners):
+#    with the sharding P(None, "learners"), make_array_from_process_local_data copies block k
 #    of axis 1, the envs, to learner k. The same thread of every host fills one array.
 # 4. `learn`, the main thread, takes one rollout from each thread; `make_update`'s `learner_update`
 #    runs on every learner at once (`shard_map`), each on its blocks; `psum` sums over them all.
@@ -487,21 +487,21 @@ def collect(args, groups, params, states, stats):
     """--num-steps steps of each env group. Pass t receives each group's step t - 1, then acts on
     the actor device and sends step t; the last pass only receives. With --async-envs the policy
     thus acts for one half of the envs while envpool steps the other."""
-    stored = [[] for _ in groups]  # per group, a dict of [E_g] arrays per step
+    stored, sent = [[] for _ in groups], [None] * len(groups)  # per group: its rows; the step sent
     for t in range(args.num_steps + 1):
         for g, (envs, state) in enumerate(zip(groups, states)):
-            if t > 0:  # state.ended is from before the step: a reset step is not valid
+            if t > 0:  # the step sent last pass ends its row (state.ended: from before the step)
                 with timer(stats.timings, "env_step_time"):
-                    step = env_step(envs, stored[g][-1]["actions"])
-                stored[g][-1].update(rewards=step.reward, terminated=step.terminated, ended=step.ended,
-                                     valid=~state.ended)
+                    step = env_step(envs, sent[g]["actions"])
+                stored[g].append(dict(sent[g], rewards=step.reward, terminated=step.terminated,
+                                      ended=step.ended, valid=~state.ended))
                 state = track_games(state, step, stats)
             if t < args.num_steps:
                 with timer(stats.timings, "inference_time"):
                     actions, logp_mu, values, key = act(params, state.obs, state.key)
                     actions = np.asarray(actions)  # the rest stays on the device
                 env_send(envs, actions)
-                stored[g].append(dict(obs=state.obs, actions=actions, logp_mu=logp_mu, values=values))
+                sent[g] = dict(obs=state.obs, actions=actions, logp_mu=logp_mu, values=values)
                 state = state._replace(key=key)
             states[g] = state
     # V(x_T) comes from `act` (no second compilation); its action is dropped.
@@ -551,9 +551,9 @@ def learn(args, layout, run, store, queues, state, start_update, batch_size):
     return state, row
 
 def make_update(args, mesh, num_updates):
-    """One PPO update, compiled to run on every learner at once. shard_map gives each learner its
-    part of each input: all of the TrainState (P()), and its block of each thread's rollout along
-    axis 1, the envs (P(None, "learners"), the mesh's axis)."""
+    """One PPO update on every learner at once. shard_map gives each learner its part of each
+    input: all of the TrainState (P()), and its block of each thread's rollout along axis 1, the
+    envs (P(None, "learners"), the mesh's axis)."""
     optimizer = make_optimizer(args, num_updates)
 
     def learner_update(state, rollouts):  # on one learner, in shard_map
@@ -582,8 +582,8 @@ def make_update(args, mesh, num_updates):
         mean = mean._replace(clipfrac_first=losses[0].clipfrac_first)
         return TrainState(params, opt_state, key), mean
 
-    # check_vma=False: learner_update psums the gradients itself. With the check on, JAX would
-    # already sum those of the replicated (P()) parameters, and the psum would add them again.
+    # check_vma=False: as under pmap, each learner's gradients stay its own until learner_update's
+    # psum. (With the check on, JAX would sum the replicated (P()) parameters' gradients itself.)
     specs = dict(in_specs=(P(), P(None, "learners")), out_specs=(P(), P()))
     return jax.jit(jax.shard_map(learner_update, mesh=mesh, **specs, check_vma=False))
 
