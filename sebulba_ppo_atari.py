@@ -163,7 +163,7 @@ def env_send(envs, actions):  # envpool steps them in its threads
     if envs.env_info.source == "envpool":
         envs.pool.send(actions)
 
-def env_step(envs, actions):  # the step env_send began (gymnasium steps here)
+def env_recv(envs, actions):  # the step env_send began (gymnasium steps here)
     if envs.env_info.source == "envpool":
         obs, reward, terminated, truncated, info = envs.pool.recv()
     else:
@@ -306,6 +306,12 @@ def ppo_loss(params, mb, args):
     loss = losses.policy_loss - args.ent_coef * losses.entropy + args.vf_coef * losses.value_loss
     return loss, losses
 
+def logp_prox_of(params, samples, chunks):
+    """log pi_prox of each sample, in `chunks` to bound memory."""
+    split = lambda x: x.reshape(chunks, -1, *x.shape[1:])
+    logp_of = lambda chunk: log_prob(apply(params, chunk[0])[0], chunk[1])
+    return jax.lax.map(logp_of, (split(samples.obs), split(samples.actions))).reshape(-1)
+
 
 # ---- The optimizer and its state
 
@@ -326,12 +332,6 @@ def init_state(key, args, env_info, num_updates):
     k_params, k_learn = jax.random.split(key)
     params = init_params(k_params, env_info.obs_shape, env_info.num_actions)
     return TrainState(params, make_optimizer(args, num_updates).init(params), k_learn)
-
-def logp_prox_of(params, samples, chunks):
-    """log pi_prox of each sample, in `chunks` to bound memory."""
-    split = lambda x: x.reshape(chunks, -1, *x.shape[1:])
-    logp_of = lambda chunk: log_prob(apply(params, chunk[0])[0], chunk[1])
-    return jax.lax.map(logp_of, (split(samples.obs), split(samples.actions))).reshape(-1)
 
 
 # ---- One rollout's path, device placements included, as its data flows
@@ -484,15 +484,15 @@ def start_groups(args, index, device, start_update):
     return groups, states
 
 def collect(args, groups, params, states, stats):
-    """--num-steps steps of each env group. Pass t receives each group's step t - 1, then acts on
-    the actor device and sends step t; the last pass only receives. With --async-envs the policy
-    thus acts for one half of the envs while envpool steps the other."""
+    """--num-steps steps of each env group, in num_steps + 1 passes. Pass t, for each group:
+        receive step t - 1 (its row is then whole), act on the actor device, send step t.
+    The last pass only receives. With --async-envs envpool steps one half while the policy acts."""
     stored, sent = [[] for _ in groups], [None] * len(groups)  # per group: its rows; the step sent
     for t in range(args.num_steps + 1):
         for g, (envs, state) in enumerate(zip(groups, states)):
-            if t > 0:  # the step sent last pass ends its row (state.ended: from before the step)
+            if t > 0:  # state.ended is from before the step: a reset step is not valid
                 with timer(stats.timings, "env_step_time"):
-                    step = env_step(envs, sent[g]["actions"])
+                    step = env_recv(envs, sent[g]["actions"])
                 stored[g].append(dict(sent[g], rewards=step.reward, terminated=step.terminated,
                                       ended=step.ended, valid=~state.ended))
                 state = track_games(state, step, stats)

@@ -104,7 +104,7 @@ def bench_catch():
 
 # ---------------------------------------------------------------------------------------
 # The Sebulba scripts: end-to-end training SPS against two bounds measured in the same process:
-# the same envs and threads stepped at random by the script's env_step (what this configuration
+# the same envs and threads stepped at random by the script's env_send/env_recv (what this configuration
 # allows), and the best random-action throughput of the env on all the host's cores (what the
 # machine allows: envpool sync or async, the best batch); seconds per learner update and per
 # rollout from the run's last log window. --baseline COMMIT trains that commit's copy of the script
@@ -151,7 +151,7 @@ def bound_sizes(env, tiny=False):
 
 def sebulba_worker(script, flags, updates=None, log_every=None, steps=None, bound=True, machine=True, tiny=False):
     """Train `script` (sebulba_impala.py or sebulba_ppo_atari.py, or a copy of it) with these Args for
-    `updates` (or about `steps`); then with `bound` step the same envs at random with its env_step in as
+    `updates` (or about `steps`); then with `bound` step the same envs at random with its env_send/env_recv in as
     many threads, and with `machine` find the machine's bound."""
     import dataclasses
     import threading
@@ -182,7 +182,7 @@ def sebulba_worker(script, flags, updates=None, log_every=None, steps=None, boun
         for _ in range(steps):
             actions = rng.integers(0, env.num_actions, n).astype(np.int32)
             sebulba.env_send(envs, actions)
-            sebulba.env_step(envs, actions)
+            sebulba.env_recv(envs, actions)
         counts.append(steps * n)
 
     counts, steps, ready = [], 20 if tiny else max(200, 20 * args.num_steps), threading.Barrier(threads + 1)

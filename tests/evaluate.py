@@ -253,7 +253,7 @@ class Acting(NamedTuple):
 
 
 def sebulba_game(module, args, params, opts):
-    """The script's envs (make_envs, env_reset, env_send, env_step) and its `act`, or the arg-max of its `apply`.
+    """The script's envs (make_envs, env_reset, env_send, env_recv) and its `act`, or the arg-max of its `apply`.
     For a GIF of Atari, a twin of env 0 in colour: the same game (same seed, same actions), other frames."""
     envs, twin = module.make_envs(args, opts.num_envs, opts.seed), None
     if opts.gif and envs.env_info.atari:
@@ -266,7 +266,7 @@ def sebulba_game(module, args, params, opts):
     def step(now):
         actions, *_, key = act(params, now.obs, now.key)
         module.env_send(envs, np.asarray(actions))
-        stepped = module.env_step(envs, np.asarray(actions))
+        stepped = module.env_recv(envs, np.asarray(actions))
         colour = now.colour
         if twin is not None:
             colour, _, _, _, info = twin.step(np.asarray(actions[:1]))
