@@ -384,7 +384,7 @@ def initial_state(args, env_info, layout, num_updates):
     return state, int(ckpt["update"]) if ckpt else 0
 
 def local(tree):  # this host's copy of a replicated global array
-    return jax.tree.map(lambda x: x.addressable_shards[0].data, tree)
+    return jax.tree.map(lambda x: x.addressable_data(0), tree)
 
 # jit compiles `act` once per input shape.
 @jax.jit
@@ -530,7 +530,8 @@ def track_games(state, step, stats):
 
 def learn(args, layout, run, store, queues, state, start_update, batch_size):
     """The learner loop, on the main thread."""
-    update_fn, num_updates = make_update(args, layout.mesh, run.num_updates), run.num_updates
+    num_updates = run.num_updates
+    update_fn = make_update(args, layout.mesh, num_updates)
     window, since = [], time.perf_counter()  # (Losses, timings, stats) of each update since a row
     for update in range(start_update + 1, num_updates + 1):
         timings = defaultdict(float)

@@ -265,11 +265,12 @@ def sebulba_game(module, args, params, opts):
 
     def step(now):
         actions, *_, key = act(params, now.obs, now.key)
-        module.env_send(envs, np.asarray(actions))
-        stepped = module.env_recv(envs, np.asarray(actions))
+        actions = np.asarray(actions)  # once, for env_send, env_recv and the twin
+        module.env_send(envs, actions)
+        stepped = module.env_recv(envs, actions)
         colour = now.colour
         if twin is not None:
-            colour, _, _, _, info = twin.step(np.asarray(actions[:1]))
+            colour, _, _, _, info = twin.step(actions[:1])
             if info["reward"][0] != stepped.score[0]:
                 fail("the colour twin of env 0 played another game: run again without --gif")
         outcome = Outcome(stepped.score, ~now.ended, stepped.game_over)
