@@ -10,6 +10,12 @@ al. 2017) for Atari.
                                   a queue of one rollout)    GAE, PPO's epochs, grads summed
                                <-------------------------  publish: new params to actors
 
+The actors act one update behind: the rollout for update u uses update u - 2's parameters exactly
+(the first rollout the start's; --no-policy-lag: u - 1, and the actors wait for each update), while
+the learners make update u - 1. Taking the newest instead would make the version a race between
+threads; this way equal flags give equal parameters on any load. (A resumed run starts new
+episodes: it is not bit for bit the run it continues.)
+
 Read top to bottom: envs, network, loss, optimizer, one rollout's path (a map heads it), `main`.
 
     python sebulba_ppo_atari.py --env-id Breakout-v5
@@ -125,9 +131,9 @@ def describe_env(env_id, machado):
 class Envs(NamedTuple):  # a batch of envs stepped together
     pool: object
     env_info: EnvInfo
-    seed: int  # env i's: seed + i
+    seeds: list  # one per env
 
-def make_envs(args, num_envs, seed):
+def make_envs(args, num_envs, seeds):
     env_info = describe_env(args.env_id, args.machado)
     if env_info.source == "gymnasium":
         pool = gym.make_vec(args.env_id.rpartition(":")[2], num_envs, vectorization_mode="sync")
@@ -135,15 +141,15 @@ def make_envs(args, num_envs, seed):
         batches = len(args.actor_device_ids or [0]) * args.num_actor_threads * (1 + args.async_envs)
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
         threads = min(num_envs, max(1, cores // batches))
-        pool = envpool.make(args.env_id, env_type="gymnasium", num_envs=num_envs, seed=seed,
+        pool = envpool.make(args.env_id, env_type="gymnasium", num_envs=num_envs, seed=seeds,
                             num_threads=threads, **(atari_kwargs(args.machado) if env_info.atari else {}))
-    return Envs(pool=pool, env_info=env_info, seed=seed)
+    return Envs(pool=pool, env_info=env_info, seeds=seeds)
 
 def host_obs(obs, env_info):  # images channels first
     return np.moveaxis(obs, -1, 1) if env_info.source == "gymnasium" else obs
 
 def env_reset(envs):
-    obs, _ = envs.pool.reset() if envs.env_info.source == "envpool" else envs.pool.reset(seed=envs.seed)
+    obs, _ = envs.pool.reset() if envs.env_info.source == "envpool" else envs.pool.reset(seed=envs.seeds)
     return host_obs(obs, envs.env_info)
 
 # The reset step: envpool and gymnasium reset an env on the step after its episode ends; that step
@@ -335,9 +341,9 @@ def init_state(key, args, env_info, num_updates):
 
 
 # ---- One rollout's path, device placements included, as its data flows
-# 1. `actor`, a host thread, takes the newest parameters (`ParamStore.wait`), on its actor device:
-#    for the rollout of update u, those of update u - 2 or newer, as the learners make update
-#    u - 1 meanwhile: at most one update behind (stats/param_lag); decoupled PPO corrects it.
+# 1. `actor`, a host thread, takes the parameters of update u - 2 for the rollout of update u
+#    (`ParamStore.wait`), on its actor device, as the learners make update u - 1 meanwhile: one
+#    update behind (stats/param_lag); decoupled PPO corrects it. Exactly u - 2, never the newest.
 # 2. `collect` steps the envs on the host. jit runs `act` where its inputs (parameters, key) are, on
 #    the actor device; only the actions come to the host each step (np.asarray waits for them),
 #    the log-probs and values at the rollout's end (one device_get).
@@ -424,22 +430,23 @@ def timer(timings, name):
     timings[name] += time.perf_counter() - began
 
 class ParamStore:
-    """The parameters back: the newest version on each actor device, waited for."""
+    """The parameters on their way back: each version an actor may still ask for, copied to every
+    actor device. An actor waits until the version it asks for has been published."""
 
     def __init__(self, devices):
-        self.cond, self.devices = threading.Condition(), devices
-        self.version, self.params = -1, None
+        self.cond, self.devices, self.versions = threading.Condition(), devices, {}
 
     def publish(self, version, params):
         params = {d: jax.device_put(local(params), d) for d in self.devices}
         with self.cond:
-            self.version, self.params = version, params
+            self.versions[version] = params
+            self.versions.pop(version - 2, None)  # the learners have learned from its last rollout
             self.cond.notify_all()
 
-    def wait(self, min_version, device):
+    def wait(self, version, device):
         with self.cond:
-            self.cond.wait_for(lambda: self.version >= min_version)
-            return self.version, self.params[device]
+            self.cond.wait_for(lambda: version in self.versions)
+            return self.versions[version][device]
 
 def start_actors(args, layout, store, start_update, num_updates):
     """This host's actor threads, each with a one-rollout queue where a thread ahead waits."""
@@ -462,8 +469,10 @@ def actor(args, index, device, mesh, store, rollout_queue, start_update, num_upd
     groups, states = start_groups(args, index, device, start_update)
     to_learners = NamedSharding(mesh, P(None, "learners"))
     for update in range(start_update + 1, num_updates + 1):  # the rollout this update learns from
-        oldest = update - 2 if args.policy_lag else update - 1
-        version, params = store.wait(oldest, device)
+        # Exactly version u - 2 (--no-policy-lag: u - 1; the first rollout: the start's), whichever
+        # thread runs ahead, so that equal flags give equal runs.
+        version = max(update - 2 if args.policy_lag else update - 1, start_update)
+        params = store.wait(version, device)
         stats = ActorStats(returns=[], lengths=[], lag=update - 1 - version, timings=defaultdict(float))
         with timer(stats.timings, "rollout_time"):
             rollout, states = collect(args, groups, params, states, stats)
@@ -476,7 +485,10 @@ def start_groups(args, index, device, start_update):
     n = args.local_num_envs // num_groups
     groups, states = [], []
     for i in range(index * num_groups, (index + 1) * num_groups):
-        groups.append(make_envs(args, n, args.seed + i * n))
+        # Env seeds drawn from (--seed, group i): no two groups, and no two run seeds, share a
+        # stream of seeds (an env's seed is a 31-bit draw from it).
+        seeds = np.random.default_rng([args.seed, i]).integers(2**31, size=n).tolist()
+        groups.append(make_envs(args, n, seeds))
         # Each group and each resumed run samples its own stream.
         key = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(args.seed), start_update), 1 + i)
         states.append(ActorState(obs=env_reset(groups[-1]), key=jax.device_put(key, device),

@@ -176,7 +176,7 @@ def sebulba_worker(script, flags, updates=None, log_every=None, steps=None, boun
         return result
 
     def random_steps(seed, steps, counts):
-        envs, rng = sebulba.make_envs(args, n, seed), np.random.default_rng(seed)
+        envs, rng = sebulba.make_envs(args, n, list(range(seed, seed + n))), np.random.default_rng(seed)
         sebulba.env_reset(envs)
         ready.wait()  # the clock starts once every thread's envs are made
         for _ in range(steps):

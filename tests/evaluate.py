@@ -255,7 +255,7 @@ class Acting(NamedTuple):
 def sebulba_game(module, args, params, opts):
     """The script's envs (make_envs, env_reset, env_send, env_recv) and its `act`, or the arg-max of its `apply`.
     For a GIF of Atari, a twin of env 0 in colour: the same game (same seed, same actions), other frames."""
-    envs, twin = module.make_envs(args, opts.num_envs, opts.seed), None
+    envs, twin = module.make_envs(args, opts.num_envs, list(range(opts.seed, opts.seed + opts.num_envs))), None
     if opts.gif and envs.env_info.atari:
         twin = envpool.make(args.env_id, env_type="gymnasium", num_envs=1, seed=opts.seed, gray_scale=False,
                             img_height=210, img_width=160, stack_num=1, **module.atari_kwargs(args.machado))

@@ -211,9 +211,9 @@ def test_a_few_envs_play_many_games_each_to_its_end(checkpoints, monkeypatch):
     impala, made = load("sebulba_impala.py"), []
     make_envs = impala.make_envs
 
-    def counting_make_envs(args, num_envs, seed):
+    def counting_make_envs(args, num_envs, seeds):
         made.append(num_envs)
-        return make_envs(args, num_envs, seed)
+        return make_envs(args, num_envs, seeds)
 
     monkeypatch.setattr(impala, "make_envs", counting_make_envs)
     cartpole = evaluate.main([str(checkpoints["impala cartpole"]), "--episodes", "7", "--num-envs", "3"])

@@ -214,7 +214,7 @@ def test_collect_returns_unclipped_whole_game_scores_and_marks_autoreset_steps(p
     rollout, _ = ppo.collect(args, groups, params, states, stats)
     assert rollout.values.shape == (601, 2) and rollout.obs.shape == (600, 2, 4, 84, 84)
 
-    replay = ppo.make_envs(args, 2, seed=7).pool
+    replay = ppo.make_envs(args, 2, [s for envs in groups for s in envs.seeds]).pool  # the same games
     replay.reset()
     score, scores, life_losses, prev_done = np.zeros(2), [], 0, np.zeros(2, bool)
     for t in range(600):
@@ -232,7 +232,7 @@ def test_collect_returns_unclipped_whole_game_scores_and_marks_autoreset_steps(p
 
 
 def test_machado_envs_reset_and_step(ppo):
-    envs = ppo.make_envs(ppo.Args(machado=True), 2, seed=3).pool
+    envs = ppo.make_envs(ppo.Args(machado=True), 2, [3, 4]).pool
     obs, _ = envs.reset()
     for _ in range(5):
         obs, *_ = envs.step(np.random.default_rng(0).integers(0, 18, 2))
