@@ -171,7 +171,8 @@ def sebulba_worker(script, flags, updates=None, log_every=None, steps=None, boun
         row = sebulba.main(args)  # the last log window: compile time excluded
     result = {"envs": f"{n} x {threads} threads", "batch": batch, "train_sps": row["charts/SPS"],
               "update_s": row["stats/learner_time"], "rollout_s": row["stats/rollout_time"],
-              "env_s": row["stats/env_step_time"], "inference_s": row["stats/inference_time"]}
+              "env_s": row["stats/env_step_time"], "inference_s": row["stats/inference_time"],
+              "return": row.get("charts/episodic_return", float("nan"))}  # of the last log window
     if not bound:
         return result
 
@@ -213,6 +214,7 @@ def sebulba_runs(script, flags, updates, log_every, baseline=None, rounds=1):
             old = worker("sebulba_worker", script=str(baseline / script), flags=flags, updates=updates,
                          log_every=log_every, bound=False, machine=False)
             best["baseline_sps"] = max(best.get("baseline_sps", 0.0), old["train_sps"])
+            best.setdefault("baseline_return", old["return"])  # the first round's, as for today's script
     return best
 
 
@@ -223,6 +225,9 @@ def sebulba_row(r, digits, baseline=None):
             "machine SPS": f"{r['bound_sps']:,.0f} ({r['bound']})",
             "machine ratio": f"{r['train_sps'] / r['bound_sps']:.1%}",
             **({f"train SPS at {baseline}": f"{r['baseline_sps']:,.0f}" if "baseline_sps" in r else "-"}
+               if baseline else {}),
+            "return": f"{r['return']:.2f}",
+            **({f"return at {baseline}": f"{r['baseline_return']:.2f}" if "baseline_return" in r else "-"}
                if baseline else {}),
             **{name: f"{r[key]:.{digits}f}" for name, key in [("s/update", "update_s"), ("s/rollout", "rollout_s"),
                                                               ("env s/rollout", "env_s"),
@@ -236,8 +241,7 @@ def bench_impala(baseline=None, rounds=1):
     for env_id, network, updates, log_every, extra in cases:
         images = {"local_num_envs": 8, "num_steps": 20} if network != "mlp" else {}
         flags = {"env_id": env_id, "network": network, **images, **extra}
-        old = baseline if not extra else None  # the landed copy has no --async-envs
-        r = sebulba_runs("sebulba_impala.py", flags, updates, log_every, old and baseline[1], rounds)
+        r = sebulba_runs("sebulba_impala.py", flags, updates, log_every, baseline and baseline[1], rounds)
         rows.append({"env": env_id, "network": network + (" --async-envs" if extra else ""),
                      **sebulba_row(r, 3, baseline and baseline[0])})
     return rows
