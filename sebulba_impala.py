@@ -470,9 +470,7 @@ def actor(args, index, device, mesh, store, rollout_queue, start_update, num_upd
     groups, states = start_groups(args, index, device, start_update)
     to_learners = NamedSharding(mesh, P(None, "learners"))
     for update in range(start_update + 1, num_updates + 1):  # the rollout this update learns from
-        # Exactly version u - 2 (the first rollout: the start's), whichever thread runs ahead, so
-        # that equal flags give equal runs.
-        version = max(update - 2, start_update)
+        version = max(update - 2, start_update)  # exactly u - 2 (the first rollout: the start's)
         params = store.wait(version, device)
         stats = ActorStats(returns=[], lengths=[], lag=update - 1 - version, timings=defaultdict(float))
         with timer(stats.timings, "rollout_time"):
@@ -486,8 +484,8 @@ def start_groups(args, index, device, start_update):
     n = args.local_num_envs // num_groups
     groups, states = [], []
     for i in range(index * num_groups, (index + 1) * num_groups):
-        # Env seeds drawn from (--seed, group i): no two groups, and no two run seeds, share a
-        # stream of seeds (an env's seed is a 31-bit draw from it).
+        # Each env's seed is drawn from a stream of its own (--seed, group i), so that other groups
+        # and other run seeds draw unrelated seeds, where --seed + i would share all but one.
         seeds = np.random.default_rng([args.seed, i]).integers(2**31, size=n).tolist()
         groups.append(make_envs(args, n, seeds))
         # Each group and each resumed run samples its own stream.
