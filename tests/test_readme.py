@@ -204,8 +204,12 @@ def test_requirements_point_to_a_readme_section_that_exists():
 
 
 def test_the_readme_names_the_pythons_ci_checks():
-    """README's "Python 3.11 to 3.13" is the range .ci/pythons installs and runs on (and requirements.txt says)."""
-    first, last = re.search(r"^Python 3\.(\d+) to 3\.(\d+) ", (ROOT / "README.md").read_text(), re.M).groups()
+    """README's "Python 3.11 to 3.13" is the range .ci/pythons installs and runs on (and requirements.txt says);
+    a Python its "Untested, ...: Python 3.14 (...)" line names is outside that range."""
+    readme = (ROOT / "README.md").read_text()
+    first, last = re.search(r"^Python 3\.(\d+) to 3\.(\d+) ", readme, re.M).groups()
     checked = re.search(r"^versions=\(([^)]*)\)", (ROOT / ".ci/pythons").read_text(), re.M).group(1).split()
     assert checked == [f"3.{minor}" for minor in range(int(first), int(last) + 1)]
     assert f"Python 3.{first} to 3.{last}" in (ROOT / "requirements.txt").read_text()
+    for minor in re.findall(r"^Untested\b[^.]*?\bPython 3\.(\d+)", readme, re.M):
+        assert f"3.{minor}" not in checked, f"README calls Python 3.{minor} untested, but .ci/pythons checks it"
