@@ -14,8 +14,9 @@ Catch is written in JAX, so acting and learning compile into one XLA program:
                              Adam step                         Adam step
     log, checkpoint <---   metrics (psum)
 
-Reading order: `step`, `q_lambda_loss`, `lane_loss` (the paper's minimal unit),
-`update` (vmap, pmean), `make_train` (fori_loop, shard_map), then the run: `initial_state`, `main`.
+Reading order: `step`, `q_lambda_loss`, `lane_loss` (one lane's rollout and loss: add loss terms
+here), `update` (one device's update), `make_train` (the paper's minimal unit: a loop of updates,
+shard_mapped over devices), then the run: `initial_state`, `main`.
 
     python anakin_catch.py  # ~1 min on 2 CPU cores
     python anakin_catch.py --num-envs-per-device 1024 --total-timesteps 20_000_000
@@ -97,8 +98,9 @@ def step(env, action, key):
     done = ball_y == ROWS - 1
     reward = jnp.where(done, jnp.where(paddle_x == env.ball_x, 1.0, -1.0), 0.0)
     moved = env._replace(ball_y=ball_y, paddle_x=paddle_x)
-    # Compiled code cannot branch on `done`, known only on the device, so each step draws the next
-    # episode's start and `jnp.where` keeps it, field by field (`jax.tree.map`), where one ended.
+    # `done` is known only inside the compiled program, where a Python `if` cannot branch on it. So
+    # every step draws a next episode's start, and `jnp.where` keeps it where this episode ended,
+    # field by field (`jax.tree.map` applies the function to each field).
     env = jax.tree.map(lambda new, old: jnp.where(done, new, old), reset(key), moved)
     return env, reward, done
 
@@ -106,7 +108,7 @@ def step(env, action, key):
 # ---- The network: the colab's MLP
 
 def linear(key, n_in, n_out):
-    """Haiku's `hk.Linear` init: normal truncated at 2 std, std 1/sqrt(n_in)."""
+    """As the colab's `hk.Linear`: weights a standard normal cut at +-2, times 1/sqrt(n_in)."""
     w = jax.random.truncated_normal(key, -2.0, 2.0, (n_in, n_out)) / jnp.sqrt(n_in)
     return {"w": w, "b": jnp.zeros(n_out)}
 
@@ -126,7 +128,9 @@ def apply(params, obs):
 # ---- The loss: Peng's Q(lambda), bootstrapping with max_a Q
 
 def lambda_returns(rewards, discounts, next_values, lam):
-    """G_t = r_t + d_t ((1 - lam) v_t+1 + lam G_t+1), from G_T = v_T backwards; all [T].
+    """The lambda-return of each step t of 0..T-1, computed backwards from G_T = v_T:
+    G_t = r_t + d_t ((1 - lam) v_t+1 + lam G_t+1), where d_t is step t's discount and v_t+1 the
+    value of the state step t led to (`next_values[t]`). All arrays are [T].
     `jax.lax.scan` is a compiled for-loop: it calls `backward` on each row of the inputs, last row
     first (`reverse=True`), passes the carry on and stacks the outputs."""
     def backward(g_next, x):
@@ -140,7 +144,10 @@ def lambda_returns(rewards, discounts, next_values, lam):
 
 def q_lambda_loss(q, q_last, actions, rewards, dones, gamma, lam):
     """q: [T, A], q_last: [A] (after the rollout), the rest [T]. Where step t ends an episode, its
-    discount is 0, so row t + 1 of `q` (the next episode's first state) is not in t's target."""
+    discount is 0, so row t + 1 of `q` (the next episode's first state) is not in t's target. The
+    gradient reaches the parameters only through `q_taken`, the Q-values of the actions taken: the
+    actions are integers, which carry no gradient, and `stop_gradient` holds the targets (made of
+    the next states' max_a Q) fixed."""
     next_values = jnp.max(jnp.concatenate([q[1:], q_last[None]]), axis=-1)
     targets = lambda_returns(rewards, gamma * (1.0 - dones), next_values, lam)
     q_taken = jnp.take_along_axis(q, actions[:, None], axis=-1)[:, 0]
@@ -152,7 +159,7 @@ def q_lambda_loss(q, q_last, actions, rewards, dones, gamma, lam):
 class Lane(NamedTuple):
     env: Catch
     key: jax.Array  # one per lane, so no result depends on the device layout
-    ep_return: jax.Array  # so far
+    ep_return: jax.Array  # of the episode so far
     ep_length: jax.Array
 
 
@@ -186,8 +193,10 @@ def make_optimizer(args):
 def init_state(key, args, num_envs):
     k_params, k_lanes = jax.random.split(key)
     params = init_params(k_params)
-    # JAX draws from explicit keys, split into new ones, never reused. Here one per env, split in
-    # two by `jax.vmap` (which maps `split` over the envs): one starts the env, one is the lane's.
+    # JAX has no global random state: each draw takes a key, and jax.random.split makes new keys.
+    # `jax.vmap` runs a function of one env on many (each array gains a leading axis, one row an
+    # env). Here it splits each env's key in two: one draws the env's first episode, the other
+    # becomes the lane's key.
     keys = jax.vmap(jax.random.split)(jax.random.split(k_lanes, num_envs))  # [envs, 2, 2]
     zeros = jnp.zeros(num_envs)
     lanes = Lane(env=jax.vmap(reset)(keys[:, 0]), key=keys[:, 1], ep_return=zeros, ep_length=zeros.astype(jnp.int32))
@@ -214,7 +223,14 @@ def rollout(params, lane, args):
 
 
 def lane_loss(params, lane, args):
-    """The paper's minimal unit: one lane's rollout scored with Q(lambda)."""
+    """One lane's rollout, scored with Q(lambda): the colab's `loss_fn`. A loss term goes here.
+    Each device's loss is the mean over its lanes, and `update` pmeans the gradients over devices,
+    which hold equal lane counts: a term that is a mean over the lane's steps, as this loss is,
+    trains on the mean over all steps of all lanes of all hosts. A term of the parameters alone (an
+    L2 penalty) is the same in every lane and on every device: the means count it once, so it is
+    right as written. The Sebulba scripts instead psum the gradients of each learner's share, a sum
+    over its own samples: a loss moved there that keeps its `.mean()` gets L (learners) times the
+    gradient, and a term of the parameters alone is counted once per learner."""
     lane, traj, q_last = rollout(params, lane, args)
     loss = q_lambda_loss(traj.q, q_last, traj.action, traj.reward, traj.done, args.gamma, args.q_lambda)
     stats = Stats(td_loss=loss, q_values=traj.q.mean(), return_sum=traj.ended_return.sum(),
@@ -223,17 +239,19 @@ def lane_loss(params, lane, args):
 
 
 def update(state, args):
-    """One update on one device. The paper vmaps the whole update over lanes; the lanes' mean loss has the
-    same gradient, without per-lane copies of params and Adam state."""
+    """One update on one device. The colab vmaps its `update_fn`, one lane's whole update, over the
+    lanes (axis `j`), each lane with its own copy of the parameters and Adam state, and pmeans the
+    gradients over `j` and the cores (`i`). Here only `lane_loss` is vmapped: the gradient of the
+    lanes' mean is the mean of their gradients, the same update without per-lane copies."""
     def device_loss(params):
         # vmap runs `lane_loss` on every lane of this device at once (params and args shared: None;
-        # lanes split on their first axis: 0). Devices hold equal lane counts, so `pmean` of their
-        # gradients below is the gradient of the mean over all lanes of all hosts.
+        # lanes split on their first axis: 0).
         losses, aux = jax.vmap(lane_loss, (None, 0, None))(params, state.lanes, args)
         return losses.mean(), aux
 
     (_, (lanes, stats)), grads = jax.value_and_grad(device_loss, has_aux=True)(state.params)
-    # "devices": the mesh axis of all hosts' devices (made in `pick_devices`, bound by `shard_map`).
+    # "devices" is the mesh axis of all hosts' devices (`pick_devices`, bound by `shard_map`); as
+    # they hold equal lane counts, their gradients' mean is the gradient of the mean over all lanes.
     grads = jax.lax.pmean(grads, "devices")
     deltas, opt_state = make_optimizer(args).update(grads, state.opt_state)
     params = optax.apply_updates(state.params, deltas)
@@ -243,11 +261,18 @@ def update(state, args):
 
 # ---- The device mapping: shard_map over devices
 
-STATE_SPECS = TrainState(params=P(), opt_state=P(), lanes=P("devices"))  # params replicated, lanes split
+# shard_map's specs (see `make_train`), one for each TrainState field, each covering the field's
+# whole subtree: P() for `params` stands for every weight array in it (for `opt_state`, every Adam
+# moment). As an input spec, P() gives each device the whole array, and P("devices") splits each
+# leaf's first axis over the mesh axis "devices": a leaf of `lanes` is [envs, ...] in all and
+# [E, ...] on each device.
+STATE_SPECS = TrainState(params=P(), opt_state=P(), lanes=P("devices"))
 
 
 def make_train(args, mesh):
-    """`n` updates in one call. `n` is an argument, so a shorter last call needs no new compilation."""
+    """`train` runs `n` updates on one device, the colab's minimal unit (its `learner_fn`), which
+    shard_map runs on every device. `n` is an argument, so a shorter last call needs no new
+    compilation."""
     def train(state, n):
         def one_update(_, carry):
             state, total = carry
@@ -257,14 +282,18 @@ def make_train(args, mesh):
         zeros = Stats(**{name: jnp.float32(0) for name in Stats._fields})
         return jax.lax.fori_loop(0, n, one_update, (state, zeros))  # a compiled for-loop
 
-    # shard_map runs `train` on each device with its share: P("devices") splits an array's first
-    # axis over the mesh axis "devices", P() gives each device all of it. check_vma=False makes it
-    # work as the colab's pmap: each device's lanes' gradient stays its own until `update`'s pmean
-    # averages them. (With the check on, JAX would see that params are the same everywhere and sum
-    # their gradient itself: the pmean would return N times the mean.)
+    # shard_map runs `train` on each device with its share of the inputs (in_specs) and joins the
+    # devices' results into the outputs (out_specs). In out_specs, P() is a promise that every
+    # device holds the same value (the params, kept equal by the pmean, and the psum'ed stats), so
+    # JAX returns device 0's copy; with check_vma=False, nothing checks the promise. "vma" stands
+    # for varying manual axes: with the check on, JAX tracks over which mesh axes each value may
+    # vary between devices. It would see that the params (P()) do not vary and sum their gradient
+    # over the devices itself, so `update`'s pmean would return N times the mean. With it off, each
+    # device's gradient is its own lanes' until that pmean averages them.
     sharded = jax.shard_map(train, mesh=mesh, in_specs=(STATE_SPECS, P()), out_specs=(STATE_SPECS, P()),
                             check_vma=False)
-    return jax.jit(sharded, donate_argnums=0)  # the new state takes the old one's memory
+    # donate_argnums=0 lets XLA reuse the old state's memory for the new: the caller never reads it.
+    return jax.jit(sharded, donate_argnums=0)
 
 
 def pick_devices(args):
@@ -291,7 +320,7 @@ def initial_state(args, mesh, num_envs):
 
 
 def checkpoint(state, updates_done, steps_per_update):
-    """Every process calls this: each holds only its devices' lanes; the allgather joins them."""
+    """Every process calls this, as each holds only its own devices' lanes."""
     return {"state": multihost_utils.process_allgather(state, tiled=True), "update": np.int64(updates_done),
             "global_step": np.int64(updates_done * steps_per_update)}
 
@@ -326,13 +355,15 @@ def main(args: Args) -> dict:
     while updates_done < num_updates:
         n = min(args.log_every, num_updates - updates_done)
         tic = time.time()
-        state, stats = train(state, np.int32(n))  # returns before the device is done
-        stats = jax.device_get(stats)  # so this waits for it
+        # A JAX call returns before the device is done; device_get waits for the stats, so that the
+        # time below counts the whole call.
+        state, stats = train(state, np.int32(n))
+        stats = jax.device_get(stats)
         updates_done += n
         row = {"global_step": updates_done * steps_per_update, "update": updates_done,
                "charts/SPS": n * steps_per_update / (time.time() - tic), **metrics_row(stats, n * num_envs, args)}
         log(run, row)
-        # Due if this call passed a multiple of --checkpoint-every, and after the last.
+        # Checkpoint when a call passes a multiple of --checkpoint-every, and after the last.
         due = updates_done % args.checkpoint_every < n or updates_done == num_updates
         safe_point(args, run, updates_done, due, partial(checkpoint, state, updates_done, steps_per_update))
     row["checksum"] = checksum(state.params)

@@ -19,9 +19,10 @@ The envs are in JAX, so rollouts and PPO's epochs are one XLA program:
 
 Reading order:
 1. `Env`, `env_step`: a JAX env, its time limit, auto-reset and `final_obs`.
-2. `gae`, `policy_loss`, `value_loss`, `ppo_loss`: the loss.
-3. `rollout`, `gradient_steps`, `update`: one agent's update on one device, the Anakin unit.
-4. `make_train`: `update` looped over updates, vmapped over seeds, shard_mapped over devices.
+2. `gae`, `policy_loss`, `value_loss`, `ppo_loss`: the loss (add loss terms in `ppo_loss`).
+3. `rollout`, `gradient_steps`, `update`: one agent's update on one device.
+4. `make_train`: `update` looped over updates and vmapped over seeds (one device's work, the paper's
+   minimal unit), shard_mapped over devices; `STATE_SPECS` gives the shapes at each level.
 5. `initial_state`, `main`: the run; skip the plumbing after it.
 
     python anakin_ppo.py
@@ -55,7 +56,7 @@ from tensorboardX import SummaryWriter
 @dataclasses.dataclass
 class Args:
     env_id: str = "CartPole-v1"  # CartPole-v1 (discrete) or Pendulum-v1 (continuous)
-    seed: int = 1  # agent i of --num-seeds draws from (seed, i)
+    seed: int = 1  # agent i of --num-seeds draws all its randomness from (seed, i)
     num_seeds: int = 1  # independent agents, side by side (vmap)
     # A flag left at None takes its env's value in ENVS.
     total_timesteps: int | None = None  # env steps of one agent (CartPole-v1 500_000, Pendulum-v1 1_000_000)
@@ -75,7 +76,7 @@ class Args:
     max_grad_norm: float = 0.5  # global-norm gradient clip
     log_every: int = 50  # updates per compiled call and log line
     checkpoint_every: int = 500  # updates between checkpoints
-    # For the plumbing at the end of the file.
+    # The plumbing section at the end of the file reads the flags below.
     exp_name: str = Path(__file__).stem  # in the run folder's name
     run_dir: str = "runs"  # parent folder of run folders
     resume: str | None = None  # a checkpoint.npz to continue
@@ -146,7 +147,13 @@ def pendulum_observe(state):
     return jnp.stack([jnp.cos(state[0]), jnp.sin(state[0]), state[1]])
 
 
-# CartPole's defaults are CleanRL's, Pendulum's rl-zoo's (gamma 0.95 fits a swing-up of ~100 steps).
+# Where the values come from. CartPole-v1: CleanRL's ppo.py. Pendulum-v1: the learning rate 1e-3
+# (constant in the zoo, lowered by --anneal-lr here), 10 epochs and no entropy bonus are
+# rl-baselines3-zoo's tuned PPO (hyperparams/ppo.yml), as are lambda 0.95 and clip 0.2, which
+# CartPole shares. The rest are ours: gamma 0.95 (the zoo's: 0.9); 32 envs x 128 steps a device
+# (the zoo's 4 envs x 1,024 steps make as many an update on one device); 32 minibatches of 128 rows
+# (the zoo's: 64 of 64); no value clipping (as in the zoo); 1M steps (the zoo's 100k explore with
+# gSDE, which this file does not have).
 ENVS = {
     "CartPole-v1": Env(
         reset=cartpole_reset, step=cartpole_step, observe=lambda state: state, obs_size=4, action_size=2,
@@ -214,7 +221,8 @@ def init_mlp(rng, sizes, last_scale):
 
 
 def mlp(params, x):
-    # By name, as JAX sorts dict keys ("layer10" < "layer2").
+    # The layers in order, looked up by name: JAX rebuilds a dict with its keys sorted, and
+    # "layer10" sorts before "layer2".
     layers = [params[f"layer{i}"] for i in range(len(params))]
     for layer in layers[:-1]:
         x = jnp.tanh(x @ layer["w"] + layer["b"])
@@ -230,8 +238,8 @@ def init_params(rng, env, hidden=64):
 
 
 def apply(params, obs):
-    """Logits or Gaussian mean [..., A], and value [...], of obs [..., O]. XLA drops a network
-    whose output goes unused."""
+    """Logits or Gaussian mean [..., A], and value [...], of obs [..., O]. Where a caller uses only
+    one output (acting uses only the logits), XLA leaves the other network out of the program."""
     return mlp(params["actor"], obs), mlp(params["critic"], obs)[..., 0]
 
 
@@ -267,8 +275,8 @@ def entropy(env, params, out):
 
 def gae(rewards, values, next_values, terminated, done, gamma, lam):
     """Advantages and value targets [T, B]. Only a termination zeroes the next value; a time-limit
-    cut bootstraps from it (many JAX PPOs zero it there too). Any episode end (`done`) stops the
-    lambda-weighted sum from running into the next episode."""
+    cut bootstraps from it (many JAX PPOs treat a cut as a termination and zero it). Any episode
+    end (`done`) stops the lambda-weighted sum from running into the next episode."""
     deltas = rewards + gamma * next_values * (1.0 - terminated) - values
 
     def backward(adv_next, x):
@@ -321,7 +329,8 @@ class Losses(NamedTuple):
 
 def normalize(advantages):
     """Normalise over the minibatch's rows on all devices, so that N devices of E envs run the
-    algorithm of one device of N x E envs. psum(x, "devices") sums each seed's x over devices."""
+    algorithm of one device of N x E envs. Under the vmap over seeds, psum(x, "devices") sums x over
+    the devices for each seed apart."""
     n = jax.lax.psum(jnp.float32(advantages.size), "devices")
     mean = jax.lax.psum(advantages.sum(), "devices") / n
     var = jax.lax.psum(((advantages - mean) ** 2).sum(), "devices") / n
@@ -329,8 +338,14 @@ def normalize(advantages):
 
 
 def ppo_loss(params, minibatch, args, env):
-    """All devices hold as many rows, so the pmean of their gradients in `gradient_steps` is the
-    gradient of the mean over all rows: each term's local `.mean()` is right on any device count."""
+    """The loss of one minibatch, on one device, for one seed. A loss term goes here. Each
+    device's loss is a mean over its own rows, and `gradient_steps` pmeans the gradients over
+    devices, which hold as many rows each: a term that is a `.mean()` over the rows, as each term
+    here is, trains on the mean over all rows of all devices of all hosts. A term of the parameters
+    alone (an L2 penalty) is the same on every device: the pmean counts it once, so it is right as
+    written. The Sebulba scripts instead psum the gradients of each learner's share, a sum over its
+    own samples: a loss moved there that keeps its `.mean()` gets L (learners) times the gradient,
+    and a term of the parameters alone is counted once per learner."""
     out, values = apply(params, minibatch.obs)
     adv = normalize(minibatch.advantage)
     new_log_prob = log_prob(env, params, out, minibatch.action)
@@ -341,7 +356,7 @@ def ppo_loss(params, minibatch, args, env):
     return loss, Losses(pg_loss, v_loss, ent, approx_kl, clipfrac)
 
 
-# ---- Acting and learning on one device: the Anakin unit
+# ---- Acting and learning on one device
 
 class Trajectory(NamedTuple):
     """One agent's rollout on one device; leaves [T, E, ...]."""
@@ -352,12 +367,13 @@ class Trajectory(NamedTuple):
 
 
 class TrainState(NamedTuple):
-    """One agent's state on one device."""
+    """One agent's (one seed's) state on one device. `make_train` vmaps over the seeds, so the state
+    held between calls has a leading axis of seeds: `STATE_SPECS` gives the shapes at each level."""
     params: dict
     opt_state: optax.OptState
     env_state: EnvState  # leaves [E, ...]
     obs: jax.Array  # [E, O]
-    key: jax.Array  # the same on every device, which folds in its own index
+    key: jax.Array  # the same on every device; `update` folds in the device's index
 
 
 class Stats(NamedTuple):
@@ -386,7 +402,8 @@ def init_state(key, params, args, env, num_envs):
     k_envs, k_run = jax.random.split(key)
     # jax.vmap runs a function of one env on many: each array gains a leading axis, a row per env.
     env_state, obs = jax.vmap(partial(env_reset, env))(jax.random.split(k_envs, num_envs))
-    # Adam's initial state (step count, zero moments) is the same for any schedule.
+    # Adam's initial state (step count, zero moments) does not depend on the schedule: any
+    # num_updates will do.
     opt_state = make_optimizer(args, num_updates=1).init(params)
     return TrainState(params=params, opt_state=opt_state, env_state=env_state, obs=obs, key=k_run)
 
@@ -418,7 +435,7 @@ def gradient_steps(params, opt_state, batch, key, optimizer, args, env):
     def gradient_step(carry, minibatch):
         params, opt_state = carry
         grads, losses = jax.grad(ppo_loss, has_aux=True)(params, minibatch, args, env)
-        grads = jax.lax.pmean(grads, "devices")  # the same on every device
+        grads = jax.lax.pmean(grads, "devices")  # the devices' mean: all take the same Adam step
         changes, opt_state = optimizer.update(grads, opt_state)
         return (optax.apply_updates(params, changes), opt_state), losses
 
@@ -457,13 +474,24 @@ def update(state, optimizer, args, env):
 
 # ---- The device mapping: loop updates, vmap seeds, shard_map devices
 
-# shard_map's specs (see `make_train`): P() replicates an array, P(None, "devices") splits axis 1.
+# shard_map's specs (see `make_train`), one for each TrainState field, each covering the field's
+# whole subtree: P() for `params` stands for every weight array in it (for `opt_state`, every Adam
+# moment). As an input spec, P() gives each device the whole array, and P(None, "devices") splits
+# each leaf's axis 1 over the mesh axis "devices". PureJaxRL trains seeds side by side with
+# jit(vmap(train)); this file also splits each seed's envs over the devices, with
+# jit(shard_map(vmap(train))). A leaf's leading axes at each level, for S seeds (--num-seeds),
+# N devices on all hosts and E envs a device:
+#   between calls:          params, opt_state [S, ...]   env_state, obs [S, N x E, ...]   key [S, 2]
+#   on one device:          params, opt_state [S, ...]   env_state, obs [S, E, ...]       key [S, 2]
+#   one agent (`update`):   params, opt_state [...]      env_state, obs [E, ...]          key [2]
 STATE_SPECS = TrainState(params=P(), opt_state=P(), env_state=P(None, "devices"), obs=P(None, "devices"),
                          key=P())
 
 
 def make_train(args, env, mesh, num_updates):
-    """`n` updates of every seed. `n` is an argument, so one compilation serves every call."""
+    """`train` runs `n` updates of one agent; vmapped over the seeds, it is one device's work, the
+    paper's minimal unit, which shard_map runs on every device. `n` is an argument, so a shorter
+    last call needs no new compilation."""
     optimizer = make_optimizer(args, num_updates)
 
     def train(state, n):
@@ -477,12 +505,16 @@ def make_train(args, env, mesh, num_updates):
         zeros = Stats(losses=losses, return_sum=zero, length_sum=jnp.int32(0), episodes=zero)
         return jax.lax.fori_loop(0, n, one_update, (state, zeros))
 
-    # The global state's leaves are [seeds, all envs, ...] (params [seeds, ...]). shard_map gives
-    # each device [seeds, E, ...], its own E envs of every seed. The vmap gives `train` one agent's
-    # [E, ...], and the same `n` to all. Under the vmap, pmean and psum over "devices" reduce each
-    # seed's values over devices, never across seeds. check_vma=False leaves values per-device, as
-    # under pmap, until the code's own pmean. With the check on, JAX would itself sum the
-    # replicated params' gradients over the N devices, making the pmean N times too big.
+    # shard_map runs the vmapped `train` on each device with its share of the inputs (in_specs) and
+    # joins the devices' results into the outputs (out_specs). The vmap gives `train` one seed's
+    # agent, and the same `n` to all; under it, pmean and psum over "devices" reduce each seed's
+    # values over the devices, never across seeds. In out_specs, P() is a promise that every device
+    # holds the same value (the params, kept equal by the pmean, and the stats, reduced over
+    # devices), so JAX returns device 0's copy; with check_vma=False, nothing checks the promise.
+    # "vma" stands for varying manual axes: with the check on, JAX tracks over which mesh axes each
+    # value may vary between devices. It would see that the params (P()) do not vary and sum their
+    # gradient over the devices itself, so the pmean in `gradient_steps` would return N times the
+    # mean. With it off, each device's gradient is its own envs' until that pmean averages them.
     sharded = jax.shard_map(jax.vmap(train, in_axes=(0, None)), mesh=mesh, in_specs=(STATE_SPECS, P()),
                             out_specs=(STATE_SPECS, P()), check_vma=False)
     # On the CPU, LLVM's -O1 compiles this program 2-3x faster than its default -O2; it runs as fast.
@@ -575,7 +607,8 @@ def main(args: Args) -> dict:
     while updates_done < num_updates:
         n = min(args.log_every, num_updates - updates_done)
         tic = time.time()
-        # A JAX call returns before the device is done: device_get waits.
+        # A JAX call returns before the device is done; device_get waits for the stats, so that the
+        # time below counts the whole call.
         state, stats = train(state, np.int32(n))
         stats = jax.device_get(stats)
         updates_done += n

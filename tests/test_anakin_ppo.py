@@ -240,7 +240,8 @@ def test_sampling_follows_the_policy():
     np.testing.assert_allclose([actions.mean(), actions.std()], [1.5, 0.5], atol=0.005)
 
 
-SAME_MINIBATCH = f'''
+# One minibatch of S seeds' rows, as 1 device x 2E envs' rows or 2 devices x E envs' rows.
+MINIBATCH = f'''
 import sys
 import numpy as np
 import jax
@@ -258,7 +259,8 @@ advantage = rows() * np.float32([[1], [10]]) + np.float32([[0], [5]])  # the see
 batch = ppo.Batch(rows(env.obs_size), rng.integers(0, 2, (S, N)).astype(np.int32), rows() - 0.7, rows(), advantage,
                   rows())
 params = jax.tree.map(lambda *p: np.stack(p), *[ppo.init_params(np.random.default_rng(i), env) for i in range(S)])
-
+'''
+SAME_MINIBATCH = MINIBATCH + '''
 
 def step(params, batch):  # what an update does with one minibatch
     grads = jax.grad(lambda p: ppo.ppo_loss(p, batch, args, env)[0])(params)
@@ -271,7 +273,7 @@ for n in (1, 2):
                            out_specs=(P(None, "devices"), P()), check_vma=False)
     normalized, grads = jax.jit(mapped)(params, batch)
     flat = np.concatenate([np.ravel(g) for g in jax.tree.leaves(grads)])
-    np.savez(f"{{n}}.npz", advantage=advantage, normalized=normalized, grads=flat)
+    np.savez(f"{n}.npz", advantage=advantage, normalized=normalized, grads=flat)
 '''
 
 
@@ -287,6 +289,52 @@ def test_advantages_are_normalized_per_seed_over_the_minibatch_on_all_devices(tm
     np.testing.assert_allclose(two["normalized"], expected, atol=1e-5)
     assert np.abs(one["grads"]).max() > 1e-3
     np.testing.assert_allclose(two["grads"], one["grads"], rtol=1e-4, atol=1e-6)
+
+
+# An L2 penalty on the parameters added to `ppo_loss`, as a student would add a loss term, then the
+# file's own `gradient_steps` on the minibatch. SGD with step 1 makes the change of the parameters
+# the gradient itself (Adam's first step, about the learning rate times its sign, would hide a factor).
+L2_STEP = MINIBATCH + '''
+import dataclasses
+import jax.numpy as jnp
+import optax
+
+ppo_loss, one_step, sgd = ppo.ppo_loss, dataclasses.replace(args, update_epochs=1, num_minibatches=1), optax.sgd(1.0)
+
+
+def with_l2(coef):
+    def loss(params, minibatch, args, env):
+        value, losses = ppo_loss(params, minibatch, args, env)
+        return value + coef * sum(jnp.sum(w**2) for w in jax.tree.leaves(params)), losses
+    return loss
+
+
+def step(params, batch):
+    key = jax.random.PRNGKey(0)
+    new, _, _ = ppo.gradient_steps(params, sgd.init(params), batch, key, sgd, one_step, env)
+    return jax.tree.map(lambda a, b: a - b, params, new)
+
+
+for n, coef in ((1, 0.1), (2, 0.1), (1, 0.2)):
+    ppo.ppo_loss = with_l2(coef)  # read by gradient_steps when jit traces it
+    mesh = Mesh(np.array(jax.devices()[:n]), ("devices",))
+    mapped = jax.shard_map(jax.vmap(step), mesh=mesh, in_specs=(P(), P(None, "devices")), out_specs=P(),
+                           check_vma=False)
+    grads = jax.jit(mapped)(params, batch)
+    np.save(f"{n}_{coef}.npy", np.concatenate([np.ravel(g) for g in jax.tree.leaves(grads)]))
+'''
+
+
+def test_an_l2_penalty_added_to_ppo_loss_counts_once_on_any_device_count(tmp_path):
+    """ppo_loss's rule: the term is right as written, so 2 devices take the gradient step of 1. Counted
+    once per device, it would weigh twice as much on 2 devices: the step of 1 device with twice the
+    coefficient shows that the comparison would see it."""
+    (tmp_path / "l2_step.py").write_text(L2_STEP)
+    result = run(tmp_path / "l2_step.py", [], tmp_path, devices=2, run_dir=False, timeout=300)
+    assert result.returncode == 0, result.output[-3000:]
+    one, two, doubled = (np.load(tmp_path / name) for name in ("1_0.1.npy", "2_0.1.npy", "1_0.2.npy"))
+    np.testing.assert_allclose(two, one, rtol=1e-4, atol=1e-5)
+    assert np.abs(doubled - one).max() > 100 * 1e-5
 
 
 # ---- End to end ------------------------------------------------------------------------------
