@@ -35,6 +35,14 @@ from functools import cache, partial
 from pathlib import Path
 from typing import NamedTuple
 
+# This comes before `import jax` because JAX swallows a Ctrl-C raised inside its callbacks: from here on a stop
+# signal is only recorded, the run stops at its next safe point, and a second signal ends the process at once.
+STOPS = []  # the signals caught
+def note_stop(signum, frame):
+    STOPS.append(signum)
+    signal.signal(signal.SIGINT, signal.SIG_DFL), signal.signal(signal.SIGTERM, signal.SIG_DFL)
+signal.signal(signal.SIGINT, note_stop), signal.signal(signal.SIGTERM, note_stop)
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -665,24 +673,20 @@ def main(args):
 
 
 # ---- Plumbing: run folder, signals, checkpoints, metrics; the same in all four scripts ----
-STOPS, START = [], []  # signals caught; the time and update when the run began: the ETA's pace
+START = []  # the time and update when the run began: the ETA's pace
 def fail(message):
     print(f"error: {message}", file=sys.stderr, flush=True)
     sys.exit(2)
 
 def start(args):
-    """First in `main`: refuse counts below 1, join the other hosts, then catch SIGINT and SIGTERM: JAX drops a
-    Ctrl-C raised in its callbacks, and jax.distributed sets a SIGTERM handler of its own."""
+    """First in `main`: refuse counts below 1, then join the other hosts."""
     if low := [k for k, v in vars(args).items() if type(v) is int and v < 1 and k not in ("seed", "process_id")]:
         fail(f"--{low[0].replace('_', '-')} {getattr(args, low[0])} must be at least 1")  # a count
     if args.distributed:  # flags left unset are found by JAX itself (SLURM, Cloud TPU, Kubernetes)
         jax.distributed.initialize(args.coordinator_address, args.num_processes, args.process_id)
+        signal.signal(signal.SIGTERM, signal.getsignal(signal.SIGINT))  # SIGINT's replaces JAX's own
     elif args.coordinator_address or args.num_processes or args.process_id is not None:
         fail("--coordinator-address, --num-processes and --process-id need --distributed")
-    def note_stop(signum, frame):  # the run stops at its next safe point; a second signal ends it at once
-        STOPS.append(signum)
-        signal.signal(signal.SIGINT, signal.SIG_DFL), signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, note_stop), signal.signal(signal.SIGTERM, note_stop)
 
 class Run(NamedTuple):
     folder: Path | None  # {run-dir}/{env}__{exp-name}__{seed}__{unix time}; process 0 only

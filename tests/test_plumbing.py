@@ -56,7 +56,7 @@ def test_the_plumbing_section_is_the_same_text_in_all_four_scripts_and_at_most_9
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
-def test_the_algorithm_part_calls_at_most_8_plumbing_names_and_nothing_runs_before_import_jax(script):
+def test_the_algorithm_part_calls_at_most_8_plumbing_names_and_only_the_stop_handler_precedes_import_jax(script):
     text = (ROOT / script).read_text()
     algorithm, plumbing = text[:text.index("\n# ---- Plumbing")], ast.parse(section(script))
     defined = {node.name for node in plumbing.body if isinstance(node, (ast.FunctionDef, ast.ClassDef))}
@@ -64,29 +64,47 @@ def test_the_algorithm_part_calls_at_most_8_plumbing_names_and_nothing_runs_befo
                 for name in ast.walk(target) if isinstance(name, ast.Name)}
     used = {node.id for node in ast.walk(ast.parse(algorithm)) if isinstance(node, ast.Name)} & defined
     assert len(used) <= 8, sorted(used)
+    docstring, imports, block, lines = before_import_jax(script)
+    assert isinstance(docstring, ast.Expr) and isinstance(docstring.value.value, str)
+    assert imports and all(isinstance(node, (ast.Import, ast.ImportFrom)) for node in imports)
+    assert lines == before_import_jax(SCRIPTS[0])[3], script  # the same lines, comments too, in all four
+    assert [type(node) for node in block] == [ast.Assign, ast.FunctionDef, ast.Expr]
+    assert ast.unparse(block[0]) == "STOPS = []"
+    assert ast.unparse(block[1]).splitlines() == [  # a handler that only records the signal
+        "def note_stop(signum, frame):", "    STOPS.append(signum)",
+        "    (signal.signal(signal.SIGINT, signal.SIG_DFL), signal.signal(signal.SIGTERM, signal.SIG_DFL))"]
+    assert ast.unparse(block[2]) == ("(signal.signal(signal.SIGINT, note_stop), "
+                                     "signal.signal(signal.SIGTERM, note_stop))")
+
+
+def before_import_jax(script):
+    """The docstring, the imports after it, the statements after them up to `import jax`, and their lines."""
+    text = (ROOT / script).read_text()
     body = ast.parse(text).body
     first_jax = next(i for i, node in enumerate(body) if isinstance(node, ast.Import)
                      and any(alias.name == "jax" for alias in node.names))
-    assert all(isinstance(node, (ast.Import, ast.ImportFrom)) for node in body[1:first_jax])
-    assert isinstance(body[0], ast.Expr) and isinstance(body[0].value.value, str)  # the docstring
+    n = next(i for i, node in enumerate(body) if i > 0 and not isinstance(node, (ast.Import, ast.ImportFrom)))
+    lines = text.splitlines()[body[n - 1].end_lineno:body[first_jax].lineno - 1]
+    return body[0], body[1:n], body[n:first_jax], lines
 
 
 # ---- Stop signals -------------------------------------------------------------------------
 
-def wait_for_main(proc):
-    """Until the script's `main` has installed its stop handlers. SIGTERM's is the marker: SIGINT has Python's own
-    handler from the interpreter's start, and a Ctrl-C before `main` can still be lost (README.md says so)."""
+def wait_for_the_stop_handler(proc):
+    """Until the script has installed its stop handler, before `import jax`: from then on a signal stops the run at
+    its first safe point. SIGTERM's is the marker (SIGINT has Python's own handler from the interpreter's start);
+    a SIGTERM sent before it would end the process at once."""
     deadline = time.monotonic() + 120
     while not catches(proc, signal.SIGTERM) and time.monotonic() < deadline:
         time.sleep(0.001)
 
 
 def stop_a_run(script, flags, folder, signum, wait=lambda proc: None):
-    """Start `script` in `folder`, send `signum` once `main` has started and `wait(proc)` has returned,
+    """Start `script` in `folder`, send `signum` once its stop handler is in place and `wait(proc)` has returned,
     and let the run end: (exit status, output)."""
     proc = spawn(script, [*flags, "--run-dir", folder / "runs"], folder)
     try:
-        wait_for_main(proc)
+        wait_for_the_stop_handler(proc)
         wait(proc)
         proc.send_signal(signum)
         output = proc.communicate(timeout=300)[0]
@@ -97,7 +115,7 @@ def stop_a_run(script, flags, folder, signum, wait=lambda proc: None):
 
 @pytest.fixture(scope="module")
 def stopped_early(tmp_path_factory):
-    """Each script sent SIGTERM the moment `main` starts (before anything is compiled):
+    """Each script sent SIGTERM the moment its stop handler is in place (while it imports JAX):
     (exit status, output, checkpoint path). Shared by the tests that need a checkpoint."""
     cache = {}
 
@@ -132,8 +150,8 @@ START_UP = {"anakin_catch.py": 600_000, "sebulba_impala.py": 20_000}
 @pytest.mark.parametrize("moment", ["at once", "0.5 s later", "2 s later", "after the first progress line"])
 @pytest.mark.parametrize("script", list(START_UP))
 def test_a_ctrl_c_during_start_up_stops_the_run_at_its_first_safe_point(tmp_path, script, moment):
-    # Sent while the script sets up, compiles or runs its first update: before issue 60, JAX ignored the
-    # KeyboardInterrupt in most such tries and the run trained to its end.
+    # Sent while the script imports, sets up, compiles or runs its first update: before issue 60, JAX ignored the
+    # KeyboardInterrupt in most such tries and the run trained to its end (during the imports until issue 65).
     def wait(proc):
         if moment == "after the first progress line":
             next(line for line in proc.stdout if line.startswith("update "))
@@ -147,8 +165,38 @@ def test_a_ctrl_c_during_start_up_stops_the_run_at_its_first_safe_point(tmp_path
     assert 1 <= stopped < budget // QUICK[script][1]
 
 
+# Put on PYTHONPATH as sitecustomize.py, it sends its process one SIGINT as `import jax` first imports one of its
+# modules, the Python handler running in that import or inside a gc callback, as JAX's own (where a Ctrl-C was lost).
+SIGINT_IN_IMPORT_JAX = """import gc, os, signal, sys
+def sigint(*_):
+    gc.callbacks.remove(sigint) if sigint in gc.callbacks else None
+    os.kill(os.getpid(), signal.SIGINT)
+class SigintOnce:
+    def find_spec(self, name, path, target=None):
+        if name == "jax._src.numpy.ufuncs":
+            sys.meta_path.remove(self)
+            {where}
+sys.meta_path.insert(0, SigintOnce())
+"""
+
+
+@pytest.mark.parametrize("where", ["in the import", "in a gc callback"])
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_a_ctrl_c_during_import_jax_stops_the_run_at_its_first_safe_point(tmp_path, script, where):
+    where = {"in the import": "sigint()", "in a gc callback": "gc.callbacks.insert(0, sigint), gc.collect()"}[where]
+    (tmp_path / "sitecustomize.py").write_text(SIGINT_IN_IMPORT_JAX.format(where=where))
+    flags = quick(script, "--log-every", 1, budget=20 * QUICK[script][1])
+    result = run(script, flags, tmp_path, env={"PYTHONPATH": str(tmp_path)})
+    assert result.returncode == 130 and "Traceback" not in result.output, result.output[-3000:]
+    assert "checksum" not in result.output, result.output[-3000:]  # the run did not train to its end
+    ckpt = result.run_dir / "checkpoint.npz"
+    assert f"stopped by SIGINT after update 1; --resume {ckpt} to go on" in result.output, result.output[-3000:]
+    with np.load(ckpt, allow_pickle=False) as f:
+        assert int(f["update"]) == 1
+
+
 def test_a_signal_during_the_last_call_exits_with_its_status_after_the_final_checkpoint(tmp_path):
-    # One compiled call makes all 10 updates, so a SIGTERM sent as `main` starts is still pending at its end.
+    # One compiled call makes all 10 updates, so a SIGTERM sent during the imports is still pending at its end.
     flags = [*quick("anakin_catch.py", budget=10 * QUICK["anakin_catch.py"][1]), "--log-every", 10]
     returncode, output = stop_a_run("anakin_catch.py", flags, tmp_path, signal.SIGTERM)
     assert returncode == 143 and "checksum" not in output, output[-3000:]
