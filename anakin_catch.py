@@ -349,7 +349,7 @@ def main(args: Args) -> dict:
 
 
 # ---- Plumbing: run folder, signals, checkpoints, metrics; the same in all four scripts ----
-START = []  # the time and update when the run began: the ETA's pace
+START = []  # the time and update of the first progress line: the ETA's pace is training's alone
 def fail(message):
     print(f"error: {message}", file=sys.stderr, flush=True)
     sys.exit(2)
@@ -369,7 +369,6 @@ class Run(NamedTuple):
     writer: SummaryWriter | None  # TensorBoard
     num_updates: int
 def open_run(args, update, num_updates):  # other characters become "_": --exp-name cannot leave --run-dir
-    START[:] = time.time(), update
     if jax.process_index() != 0:
         return Run(folder=None, writer=None, num_updates=num_updates)
     name = "__".join(re.sub(r"[^\w.+-]", "_", str(s)) for s in (args.env_id, args.exp_name, args.seed))
@@ -420,10 +419,12 @@ def log(run, row):  # process 0 writes and prints for all
         run.writer.add_scalar(name, row[name], row["global_step"])
     run.writer.flush()
     update, n, step, score = row["update"], run.num_updates, row["global_step"], row.get("charts/episodic_return")
-    eta = int((time.time() - START[0]) / (update - START[1]) * (n - update))  # at the pace so far
+    if not START:  # the ETA's clock starts here: start-up and compiling are not training
+        START[:] = time.time(), update
+    eta = int((time.time() - START[0]) / (update - START[1]) * (n - update)) if update > START[1] else None
     print(f"update {update}/{n} | step {step:,}/{step // update * n:,} ({update / n:.0%}) "
           f"| SPS {row['charts/SPS']:,.0f} | return {'-' if score is None else f'{score:.2f}'} "
-          f"| ETA {eta // 60}m{eta % 60:02d}s", flush=True)
+          f"| ETA {'-' if eta is None else f'{eta // 60}m{eta % 60:02d}s'}", flush=True)
 def end(run, code, line):
     ckpt = run.folder and run.folder / "checkpoint.npz"
     print(line + (f"; --resume {ckpt} to go on" if ckpt and ckpt.exists() else ""), file=sys.stderr)

@@ -339,6 +339,7 @@ def catch(monkeypatch):
     """anakin_catch.py as a module: its plumbing is the same text in all four scripts (the first test above)."""
     module = load("anakin_catch.py")
     monkeypatch.setattr(module, "STOPS", [])
+    monkeypatch.setattr(module, "START", [])
     return module
 
 
@@ -353,17 +354,18 @@ def test_run_folders_stay_one_flat_folder_inside_run_dir(tmp_path, catch):
     assert {p.name for p in tmp_path.iterdir()} == {str(i) for i in range(len(names))}
 
 
-def test_the_eta_is_the_wall_time_per_update_so_far_whatever_the_sps(tmp_path, catch, monkeypatch, capsys):
+def test_the_eta_is_the_wall_time_per_update_since_the_first_line_whatever_the_sps(tmp_path, catch, monkeypatch,
+                                                                                    capsys):
     run_ = catch.open_run(catch.Args(run_dir=str(tmp_path)), 0, 100)
-    now = iter([130.0, 190.0])  # the times of the two lines below; the run began at 100 s, at update 0
+    # The times of the three lines below: start-up and compiling before the first (at 1000 s) do not count.
+    now = iter([1000.0, 1030.0, 1150.0])
     monkeypatch.setattr(catch, "time", SimpleNamespace(time=lambda: next(now)))
-    catch.START[:] = 100.0, 0
     # An SPS of all --num-seeds agents' steps (8 here) while global_step counts one agent's, as anakin_ppo logs.
-    for update in (10, 20):
+    for update in (10, 20, 40):
         catch.log(run_, {"global_step": update * 512, "update": update, "charts/SPS": 8 * 512 / 3.0})
     run_.writer.close()
     etas = re.findall(r"\| ETA (\S+)$", capsys.readouterr().out, re.M)
-    assert etas == ["4m30s", "6m00s"]  # 30 s for 10 updates, 90 left; then 90 s for 20, 80 left
+    assert etas == ["-", "4m00s", "5m00s"]  # 30 s for 10 updates, 80 left; then 150 s for 30, 60 left
 
 
 def test_a_checkpoint_write_that_fails_part_way_leaves_the_previous_checkpoint_as_it_was(tmp_path, catch,
