@@ -378,13 +378,17 @@ def pick_devices(args):
     return Layout(actor_devices=[mine[i] for i in actors],
                   learner_devices=[mine[i] for i in learners], mesh=mesh)
 
-def initial_state(args, env_info, layout, num_updates):
+def initial_state(args, env_info, layout, num_updates, batch_size):
     """The TrainState (new or --resume's) on every learner, and its update. A jax.Array may span
     devices; its sharding says which part each holds (P(): all of it). A host places data only on
     its own devices: make_array_from_process_local_data copies this host's data to them."""
     init = partial(init_state, jax.random.PRNGKey(args.seed), args, env_info, num_updates)
     ckpt = args.resume and load(args, {"state": jax.eval_shape(init), "update": np.int64(0),
                                        "global_step": np.int64(0)})  # eval_shape: shapes, not values
+    # load refused other flags, so another batch size means another number of hosts.
+    if ckpt and ckpt["global_step"] != ckpt["update"] * batch_size:
+        fail(f"--resume {args.resume}: its run made {ckpt['global_step'] // ckpt['update']:,} steps an update, "
+             f"here {jax.process_count()} hosts make {batch_size:,}: resume on as many hosts as it had")
     if ckpt and ckpt["update"] >= num_updates:
         fail(f"--resume {args.resume}: its run has done all {num_updates} updates (raise --total-timesteps)")
     tree = ckpt["state"] if ckpt else jax.device_get(init())  # the same on every host
@@ -656,7 +660,7 @@ def main(args):
     batch_size = check_sizes(args, layout)
     note_a_cpu_learner(args, env_info, layout)
     num_updates = args.total_timesteps // batch_size
-    state, start_update = initial_state(args, env_info, layout, num_updates)
+    state, start_update = initial_state(args, env_info, layout, num_updates, batch_size)
     run = open_run(args, start_update, num_updates)
     store = ParamStore(layout.actor_devices)
     store.publish(start_update, state.params)

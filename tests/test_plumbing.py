@@ -18,7 +18,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from conftest import ROOT, _env, catches, command, error_line, load, run, spawn, spawn_two_hosts
+from conftest import (ROOT, _env, catches, command, error_line, load, run, run_two_hosts, spawn,
+                      spawn_two_hosts)
 
 SCRIPTS = ["anakin_catch.py", "anakin_ppo.py", "sebulba_impala.py", "sebulba_ppo_atari.py"]
 # The smallest real run of each script, and the steps of one of its updates.
@@ -262,6 +263,17 @@ def test_a_resume_that_changes_a_flag_of_the_run_is_one_line_naming_it(tmp_path,
     _, _, ckpt = stopped_early(script)
     line = error_line(run(script, [*quick(script), "--resume", ckpt, *changed], tmp_path, timeout=120))
     assert line.startswith(f"error: --resume {ckpt}: its run had {changed[0]} "), line
+
+
+@pytest.mark.parametrize("script", ["sebulba_impala.py", "sebulba_ppo_atari.py"])
+def test_a_sebulba_resume_on_another_number_of_hosts_is_one_line_on_each(tmp_path, stopped_early, script):
+    # Each host adds its envs to the batch: on two hosts a one-host run's updates would be twice the size.
+    _, _, ckpt = stopped_early(script)
+    per_update = QUICK[script][1]
+    hosts = run_two_hosts(script, [*quick(script), "--resume", ckpt], tmp_path, devices=1, timeout=300)
+    for host in hosts:
+        assert error_line(host) == (f"error: --resume {ckpt}: its run made {per_update:,} steps an update, "
+                                    f"here 2 hosts make {2 * per_update:,}: resume on as many hosts as it had")
 
 
 def test_a_checkpoint_never_runs_code(tmp_path, stopped_early):
