@@ -34,8 +34,9 @@ from functools import partial
 from pathlib import Path
 from typing import NamedTuple
 
-# This comes before `import jax` because JAX swallows a Ctrl-C raised inside its callbacks: from here on a stop
-# signal is only recorded, the run stops at its next safe point, and a second signal ends the process at once.
+# This comes before `import jax` because JAX swallows a Ctrl-C raised inside its callbacks: from
+# here on a stop signal is only recorded, the run stops at its next safe point, and a second signal
+# ends the process at once.
 STOPS = []  # the signals caught
 def note_stop(signum, frame):
     STOPS.append(signum)
@@ -353,14 +354,13 @@ START = []  # the time and update of the first progress line: the ETA's pace is 
 def fail(message):
     print(f"error: {message}", file=sys.stderr, flush=True)
     sys.exit(2)
-
 def start(args):
     """First in `main`: refuse counts below 1, then join the other hosts."""
     if low := [k for k, v in vars(args).items() if type(v) is int and v < 1 and k not in ("seed", "process_id")]:
         fail(f"--{low[0].replace('_', '-')} {getattr(args, low[0])} must be at least 1")  # a count
     if args.distributed:  # flags left unset are found by JAX itself (SLURM, Cloud TPU, Kubernetes)
         jax.distributed.initialize(args.coordinator_address, args.num_processes, args.process_id)
-        signal.signal(signal.SIGTERM, signal.getsignal(signal.SIGINT))  # SIGINT's replaces JAX's own
+        signal.signal(signal.SIGTERM, signal.getsignal(signal.SIGINT))  # SIGINT's, not JAX's own
     elif args.coordinator_address or args.num_processes or args.process_id is not None:
         fail("--coordinator-address, --num-processes and --process-id need --distributed")
 
@@ -419,9 +419,10 @@ def log(run, row):  # process 0 writes and prints for all
         run.writer.add_scalar(name, row[name], row["global_step"])
     run.writer.flush()
     update, n, step, score = row["update"], run.num_updates, row["global_step"], row.get("charts/episodic_return")
-    if not START:  # the ETA's clock starts here: start-up and compiling are not training
+    if not START:  # the ETA's clock starts at the first line: start-up and compiling are not training
         START[:] = time.time(), update
-    eta = int((time.time() - START[0]) / (update - START[1]) * (n - update)) if update > START[1] else None
+    began, first = START
+    eta = int((time.time() - began) / (update - first) * (n - update)) if update > first else None
     print(f"update {update}/{n} | step {step:,}/{step // update * n:,} ({update / n:.0%}) "
           f"| SPS {row['charts/SPS']:,.0f} | return {'-' if score is None else f'{score:.2f}'} "
           f"| ETA {'-' if eta is None else f'{eta // 60}m{eta % 60:02d}s'}", flush=True)
