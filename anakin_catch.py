@@ -32,7 +32,7 @@ import sys
 import time
 from functools import partial
 from pathlib import Path
-from typing import NamedTuple
+from typing import Annotated, NamedTuple
 
 # This comes before `import jax` because JAX swallows a Ctrl-C raised inside its callbacks: from
 # here on a stop signal is only recorded, the run stops at its next safe point, and a second signal
@@ -56,11 +56,11 @@ from tensorboardX import SummaryWriter
 @dataclasses.dataclass
 class Args:
     env_id: str = "Catch"  # the only env here
-    seed: int = 1
+    seed: int = 1  # seeds the parameters, envs and actions
     total_timesteps: int = 16_000_000  # env steps over all envs, devices and hosts
     learning_rate: float = 1e-4  # Adam step size
     num_envs_per_device: int = 128  # env lanes per device
-    num_devices: int | None = None  # per host (default: all)
+    num_devices: Annotated[int | None, tyro.conf.arg(help_behavior_hint="(default: all)")] = None  # per host
     num_steps: int = 16  # rollout length
     gamma: float = 1.0  # discount
     q_lambda: float = 0.99  # Q(lambda)'s lambda
@@ -355,11 +355,17 @@ def fail(message):
     print(f"error: {message}", file=sys.stderr, flush=True)
     sys.exit(2)
 def start(args):
-    """First in `main`: refuse counts below 1, then join the other hosts."""
+    """First in `main`: refuse counts below 1 and seeds out of range, then join the other hosts."""
     if low := [k for k, v in vars(args).items() if type(v) is int and v < 1 and k not in ("seed", "process_id")]:
         fail(f"--{low[0].replace('_', '-')} {getattr(args, low[0])} must be at least 1")  # a count
+    if not 0 <= args.seed < 2**31:  # envpool takes int32 seeds, and default_rng no negative ones
+        fail(f"--seed {args.seed} must be in 0..{2**31 - 1}")
     if args.distributed:  # flags left unset are found by JAX itself (SLURM, Cloud TPU, Kubernetes)
-        jax.distributed.initialize(args.coordinator_address, args.num_processes, args.process_id)
+        try:
+            jax.distributed.initialize(args.coordinator_address, args.num_processes, args.process_id)
+        except ValueError as e:  # JAX checks the three where it finds no cluster to fill them in
+            fail(f"--distributed could not start ({e}): outside SLURM, Cloud TPU and Kubernetes "
+                 "give --coordinator-address, --num-processes and --process-id")
         signal.signal(signal.SIGTERM, signal.getsignal(signal.SIGINT))  # SIGINT's, not JAX's own
     elif args.coordinator_address or args.num_processes or args.process_id is not None:
         fail("--coordinator-address, --num-processes and --process-id need --distributed")
@@ -372,7 +378,10 @@ def open_run(args, update, num_updates):  # other characters become "_": --exp-n
     if jax.process_index() != 0:
         return Run(folder=None, writer=None, num_updates=num_updates)
     name = "__".join(re.sub(r"[^\w.+-]", "_", str(s)) for s in (args.env_id, args.exp_name, args.seed))
-    (folder := Path(args.run_dir) / f"{name}__{int(time.time())}").mkdir(parents=True)
+    try:  # a file in the way, no permission, a name too long
+        (folder := Path(args.run_dir) / f"{name}__{int(time.time())}").mkdir(parents=True)
+    except OSError as e:
+        fail(f"--run-dir {args.run_dir} and --exp-name: cannot make the run folder ({e.strerror})")
     (folder / "args.json").write_text(json.dumps(dataclasses.asdict(args), indent=2))
     return Run(folder=folder, writer=SummaryWriter(str(folder)), num_updates=num_updates)
 

@@ -30,10 +30,11 @@ import sys
 import threading
 import time
 import traceback
+import warnings
 from collections import defaultdict
 from functools import cache, partial
 from pathlib import Path
-from typing import NamedTuple
+from typing import Annotated, NamedTuple
 
 # This comes before `import jax` because JAX swallows a Ctrl-C raised inside its callbacks: from
 # here on a stop signal is only recorded, the run stops at its next safe point, and a second signal
@@ -57,6 +58,10 @@ import envpool
 import gymnasium as gym
 
 
+def default_is(text):  # what --help says a flag left at None stands for (tyro would say None)
+    return tyro.conf.arg(help_behavior_hint=f"(default: {text})")
+
+
 @dataclasses.dataclass
 class Args:
     env_id: str = "Breakout-v5"  # envpool Atari or gymnasium `module:Name-v0` (images)
@@ -64,8 +69,8 @@ class Args:
     total_timesteps: int = 10_000_000  # agent steps, all hosts
     learning_rate: float = 2.5e-4  # Adam step size
     anneal_lr: bool = True  # decay the step size linearly to 0
-    actor_device_ids: list[int] | None = None  # local devices that act (default: 0)
-    learner_device_ids: list[int] | None = None  # local devices that learn (default: others, or 0)
+    actor_device_ids: Annotated[list[int] | None, default_is("0")] = None  # local devices that act
+    learner_device_ids: Annotated[list[int] | None, default_is("others, or 0")] = None  # local devices that learn
     num_actor_threads: int = 2  # per actor device: one steps envs while another acts
     local_num_envs: int = 16  # envs per actor thread
     async_envs: bool = False  # step half the envs while acting for the other half
@@ -121,7 +126,11 @@ def describe_env(env_id, machado):
             fail(f"--env-id {env_id!r}: module {module!r} does not import ({type(e).__name__}: {e})")
         if name not in gym.registry:
             fail(f"--env-id {env_id!r}: no such envpool or gymnasium environment")
-        spaces = gym.make(name)
+        try:  # a registered env may still not make: a dependency missing, a version retired
+            with warnings.catch_warnings(action="ignore"):  # they come again in make_envs
+                spaces = gym.make(name)
+        except Exception as e:  # whatever its maker raised
+            fail(f"--env-id {env_id!r}: gymnasium cannot make it ({type(e).__name__}: {e})")
     obs_space, act_space = spaces.observation_space, spaces.action_space
     if not isinstance(act_space, gym.spaces.Discrete) or act_space.start != 0 or not isinstance(
             obs_space, gym.spaces.Box) or len(obs_space.shape) != 3:
@@ -683,11 +692,17 @@ def fail(message):
     print(f"error: {message}", file=sys.stderr, flush=True)
     sys.exit(2)
 def start(args):
-    """First in `main`: refuse counts below 1, then join the other hosts."""
+    """First in `main`: refuse counts below 1 and seeds out of range, then join the other hosts."""
     if low := [k for k, v in vars(args).items() if type(v) is int and v < 1 and k not in ("seed", "process_id")]:
         fail(f"--{low[0].replace('_', '-')} {getattr(args, low[0])} must be at least 1")  # a count
+    if not 0 <= args.seed < 2**31:  # envpool takes int32 seeds, and default_rng no negative ones
+        fail(f"--seed {args.seed} must be in 0..{2**31 - 1}")
     if args.distributed:  # flags left unset are found by JAX itself (SLURM, Cloud TPU, Kubernetes)
-        jax.distributed.initialize(args.coordinator_address, args.num_processes, args.process_id)
+        try:
+            jax.distributed.initialize(args.coordinator_address, args.num_processes, args.process_id)
+        except ValueError as e:  # JAX checks the three where it finds no cluster to fill them in
+            fail(f"--distributed could not start ({e}): outside SLURM, Cloud TPU and Kubernetes "
+                 "give --coordinator-address, --num-processes and --process-id")
         signal.signal(signal.SIGTERM, signal.getsignal(signal.SIGINT))  # SIGINT's, not JAX's own
     elif args.coordinator_address or args.num_processes or args.process_id is not None:
         fail("--coordinator-address, --num-processes and --process-id need --distributed")
@@ -700,7 +715,10 @@ def open_run(args, update, num_updates):  # other characters become "_": --exp-n
     if jax.process_index() != 0:
         return Run(folder=None, writer=None, num_updates=num_updates)
     name = "__".join(re.sub(r"[^\w.+-]", "_", str(s)) for s in (args.env_id, args.exp_name, args.seed))
-    (folder := Path(args.run_dir) / f"{name}__{int(time.time())}").mkdir(parents=True)
+    try:  # a file in the way, no permission, a name too long
+        (folder := Path(args.run_dir) / f"{name}__{int(time.time())}").mkdir(parents=True)
+    except OSError as e:
+        fail(f"--run-dir {args.run_dir} and --exp-name: cannot make the run folder ({e.strerror})")
     (folder / "args.json").write_text(json.dumps(dataclasses.asdict(args), indent=2))
     return Run(folder=folder, writer=SummaryWriter(str(folder)), num_updates=num_updates)
 

@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+import typing
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -44,9 +45,9 @@ def quick(script, *flags, budget=10**9):
 
 # ---- One plumbing section -----------------------------------------------------------------
 
-def test_the_plumbing_section_is_the_same_text_in_all_four_scripts_and_at_most_90_lines_after_main():
+def test_the_plumbing_section_is_the_same_text_in_all_four_scripts_and_at_most_96_lines_after_main():
     first = section(SCRIPTS[0])
-    assert len(first.splitlines()) <= 90
+    assert len(first.splitlines()) <= 96
     for script in SCRIPTS:  # an appendix: the script's own code, main last, comes before it
         text = (ROOT / script).read_text()
         assert text.index("\ndef main(") < text.index("\n# ---- Plumbing") < text.rindex("\nif __name__")
@@ -293,7 +294,8 @@ def test_a_checkpoint_never_runs_code(tmp_path, stopped_early):
 def test_every_count_below_1_is_refused_in_one_place_before_anything_else(script, monkeypatch, capsys):
     module = load(script)
     monkeypatch.setattr(module.signal, "signal", lambda *_: None)  # no handlers in the test process
-    counts = [f.name for f in dataclasses.fields(module.Args) if f.type in (int, int | None)]
+    types = typing.get_type_hints(module.Args)  # without Annotated's --help hints
+    counts = [name for name, kind in types.items() if kind in (int, int | None)]
     counts = [name for name in counts if name not in ("seed", "process_id")]  # these may be 0
     assert {"total_timesteps", "log_every", "checkpoint_every", "num_processes"} < set(counts)
     for name in counts:
@@ -323,18 +325,83 @@ BAD_INPUT = [  # (script, flags, the error line's start and a word it names)
      "error: --machado is Atari's protocol; --env-id 'CartPole-v1' is not an envpool Atari game"),
     ("anakin_catch.py", ["--process-id", 1, "--num-processes", 2],
      "error: --coordinator-address, --num-processes and --process-id need --distributed"),
+    ("anakin_catch.py", ["--distributed"], "error: --distributed could not start (coordinator_address should be "
+     "defined.): outside SLURM, Cloud TPU and Kubernetes give --coordinator-address, --num-processes and --process-id"),
+    ("sebulba_impala.py", ["--env-id", "Hopper-v2"], "error: --env-id 'Hopper-v2': gymnasium cannot make it "
+     "(ImportError: The mujoco v2 and v3 based environments have been moved to the gymnasium-robotics project"),
+    ("sebulba_ppo_atari.py", ["--env-id", "Hopper-v2"], "error: --env-id 'Hopper-v2': gymnasium cannot make it "
+     "(ImportError: "),
+    *[(script, ["--seed", -1], "error: --seed -1 must be in 0..2147483647") for script in SCRIPTS],
+    ("sebulba_impala.py", ["--seed", 2**31], "error: --seed 2147483648 must be in 0..2147483647"),
+    # The run folder, where the OS refuses it: a path under a regular file (tests run as root, who may write
+    # anywhere), a name too long.
+    ("anakin_catch.py", ["--run-dir", "a_file/runs"],
+     "error: --run-dir a_file/runs and --exp-name: cannot make the run folder (Not a directory)"),
+    ("sebulba_impala.py", ["--env-id", "CartPole-v1", "--run-dir", "a_file"],
+     "error: --run-dir a_file and --exp-name: cannot make the run folder (Not a directory)"),
+    ("anakin_ppo.py", ["--exp-name", "x" * 300, "--run-dir", "elsewhere"],
+     "error: --run-dir elsewhere and --exp-name: cannot make the run folder (File name too long)"),
+    ("sebulba_ppo_atari.py", ["--env-id", "tests.minatar_envs:MinAtar/Breakout-v1", "--exp-name", "x" * 300,
+                              "--run-dir", "elsewhere"],
+     "error: --run-dir elsewhere and --exp-name: cannot make the run folder (File name too long)"),
 ]
 
 
-@pytest.mark.parametrize("script, flags, start", BAD_INPUT, ids=[" ".join(map(str, c[:2])) for c in BAD_INPUT])
+@pytest.mark.parametrize("script, flags, start", BAD_INPUT,
+                         ids=[" ".join(map(str, c[:2]))[:60] for c in BAD_INPUT])
 def test_bad_input_is_one_error_line_on_stderr_and_nothing_on_stdout(tmp_path, script, flags, start):
     (tmp_path / "broken.py").write_text("def (\n")
     (tmp_path / "raising.py").write_text(RAISES)
-    proc = subprocess.run(command(script, [*flags, "--run-dir", tmp_path / "runs"]), cwd=tmp_path, text=True,
+    (tmp_path / "a_file").write_text("")
+    # A --run-dir among `flags` comes last, so it is the one taken.
+    proc = subprocess.run(command(script, ["--run-dir", tmp_path / "runs", *flags]), cwd=tmp_path, text=True,
                           env=_env(1, {"PYTHONPATH": str(tmp_path)}), capture_output=True, timeout=120)
     assert proc.returncode == 2 and not proc.stdout, (proc.stdout, proc.stderr)
     assert proc.stderr.startswith(start) and proc.stderr.count("\n") == 1, proc.stderr
     assert not (tmp_path / "runs").exists()
+
+
+def help_defaults(script):
+    """{flag: the texts of each `(default: ...)` beside it} in `script --help`, on a screen wide enough for one line
+    of help a flag."""
+    proc = subprocess.run(command(script, ["--help"]), env=_env(1, {"COLUMNS": "250"}), text=True,
+                          capture_output=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    defaults, flag = {}, None
+    for line in proc.stdout.splitlines():
+        if found := re.match(r"│ (--[\w-]+)", line):
+            flag = defaults.setdefault(found[1], [])
+        if flag is not None:
+            flag += re.findall(r"\(default: ([^)]*)\)", line)
+    return defaults
+
+
+UNSET = {"--resume", "--coordinator-address", "--num-processes", "--process-id"}  # None: no checkpoint, or JAX's
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_help_gives_each_flag_one_default_and_the_values_a_none_stands_for(script):
+    defaults = help_defaults(script)
+    assert len(defaults) == len(dataclasses.fields(load(script).Args)), defaults
+    assert all(len(texts) == 1 for texts in defaults.values()), defaults  # not "(default: 0) (default: None)"
+    assert {flag for flag, texts in defaults.items() if texts == ["None"]} == UNSET, defaults
+    flags_of = lambda names: ["--" + name.replace("_", "-") for name in names]
+    if script.startswith("anakin"):
+        assert defaults["--num-devices"] == ["all"]
+    if script == "anakin_ppo.py":  # each env's value, from ENVS
+        envs = load(script).ENVS
+        for flag, name in zip(flags_of(envs["CartPole-v1"].defaults), envs["CartPole-v1"].defaults):
+            assert defaults[flag] == [", ".join(f"{env_id} {env.defaults[name]}" for env_id, env in envs.items())]
+        assert defaults["--learning-rate"] == ["CartPole-v1 0.00025, Pendulum-v1 0.001"]
+    if script.startswith("sebulba"):
+        assert defaults["--actor-device-ids"] == ["0"] and defaults["--learner-device-ids"] == ["others, or 0"]
+    if script == "sebulba_impala.py":  # the values for images and for vectors, from DEFAULTS
+        image, vector = load(script).DEFAULTS["image"], load(script).DEFAULTS["vector"]
+        assert set(image) == set(vector) == {"total_timesteps", "learning_rate", "num_steps", "rmsprop_eps",
+                                             "network", "log_every"}
+        for flag, name in zip(flags_of(image), image):
+            assert defaults[flag] == [f"images {image[name]}, vectors {vector[name]}"]
+        assert defaults["--num-steps"] == ["images 20, vectors 16"]
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
