@@ -33,7 +33,16 @@ import sys
 import time
 from functools import partial
 from pathlib import Path
-from typing import NamedTuple
+from typing import Annotated, NamedTuple
+
+# This comes before `import jax` because JAX swallows a Ctrl-C raised inside its callbacks: from
+# here on a stop signal is only recorded, the run stops at its next safe point, and a second signal
+# ends the process at once.
+STOPS = []  # the signals caught
+def note_stop(signum, frame):
+    STOPS.append(signum)
+    signal.signal(signal.SIGINT, signal.SIG_DFL), signal.signal(signal.SIGTERM, signal.SIG_DFL)
+signal.signal(signal.SIGINT, note_stop), signal.signal(signal.SIGTERM, note_stop)
 
 import jax
 import jax.numpy as jnp
@@ -48,11 +57,11 @@ from tensorboardX import SummaryWriter
 @dataclasses.dataclass
 class Args:
     env_id: str = "Catch"  # the only env here
-    seed: int = 1
+    seed: int = 1  # seeds the parameters, envs and actions
     total_timesteps: int = 16_000_000  # env steps over all envs, devices and hosts
     learning_rate: float = 1e-4  # Adam step size
     num_envs_per_device: int = 128  # env lanes per device
-    num_devices: int | None = None  # per host (default: all)
+    num_devices: Annotated[int | None, tyro.conf.arg(help_behavior_hint="(default: all)")] = None  # per host
     num_steps: int = 16  # rollout length
     gamma: float = 1.0  # discount
     q_lambda: float = 0.99  # Q(lambda)'s lambda
@@ -372,35 +381,38 @@ def main(args: Args) -> dict:
 
 
 # ---- Plumbing: run folder, signals, checkpoints, metrics; the same in all four scripts ----
-STOPS, START = [], []  # signals caught; the time and update when the run began: the ETA's pace
+START = []  # the time and update of the first progress line: the ETA's pace is training's alone
 def fail(message):
     print(f"error: {message}", file=sys.stderr, flush=True)
     sys.exit(2)
-
 def start(args):
-    """First in `main`: refuse counts below 1, join the other hosts, then catch SIGINT and SIGTERM: JAX drops a
-    Ctrl-C raised in its callbacks, and jax.distributed sets a SIGTERM handler of its own."""
+    """First in `main`: refuse counts below 1 and seeds out of range, then join the other hosts."""
     if low := [k for k, v in vars(args).items() if type(v) is int and v < 1 and k not in ("seed", "process_id")]:
         fail(f"--{low[0].replace('_', '-')} {getattr(args, low[0])} must be at least 1")  # a count
+    if not 0 <= args.seed < 2**31:  # envpool takes int32 seeds, and default_rng no negative ones
+        fail(f"--seed {args.seed} must be in 0..{2**31 - 1}")
     if args.distributed:  # flags left unset are found by JAX itself (SLURM, Cloud TPU, Kubernetes)
-        jax.distributed.initialize(args.coordinator_address, args.num_processes, args.process_id)
+        try:
+            jax.distributed.initialize(args.coordinator_address, args.num_processes, args.process_id)
+        except ValueError as e:  # JAX checks the three where it finds no cluster to fill them in
+            fail(f"--distributed could not start ({e}): outside SLURM, Cloud TPU and Kubernetes "
+                 "give --coordinator-address, --num-processes and --process-id")
+        signal.signal(signal.SIGTERM, signal.getsignal(signal.SIGINT))  # SIGINT's, not JAX's own
     elif args.coordinator_address or args.num_processes or args.process_id is not None:
         fail("--coordinator-address, --num-processes and --process-id need --distributed")
-    def note_stop(signum, frame):  # the run stops at its next safe point; a second signal ends it at once
-        STOPS.append(signum)
-        signal.signal(signal.SIGINT, signal.SIG_DFL), signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, note_stop), signal.signal(signal.SIGTERM, note_stop)
 
 class Run(NamedTuple):
     folder: Path | None  # {run-dir}/{env}__{exp-name}__{seed}__{unix time}; process 0 only
     writer: SummaryWriter | None  # TensorBoard
     num_updates: int
 def open_run(args, update, num_updates):  # other characters become "_": --exp-name cannot leave --run-dir
-    START[:] = time.time(), update
     if jax.process_index() != 0:
         return Run(folder=None, writer=None, num_updates=num_updates)
     name = "__".join(re.sub(r"[^\w.+-]", "_", str(s)) for s in (args.env_id, args.exp_name, args.seed))
-    (folder := Path(args.run_dir) / f"{name}__{int(time.time())}").mkdir(parents=True)
+    try:  # a file in the way, no permission, a name too long
+        (folder := Path(args.run_dir) / f"{name}__{int(time.time())}").mkdir(parents=True)
+    except OSError as e:
+        fail(f"--run-dir {args.run_dir} and --exp-name: cannot make the run folder ({e.strerror})")
     (folder / "args.json").write_text(json.dumps(dataclasses.asdict(args), indent=2))
     return Run(folder=folder, writer=SummaryWriter(str(folder)), num_updates=num_updates)
 
@@ -447,10 +459,13 @@ def log(run, row):  # process 0 writes and prints for all
         run.writer.add_scalar(name, row[name], row["global_step"])
     run.writer.flush()
     update, n, step, score = row["update"], run.num_updates, row["global_step"], row.get("charts/episodic_return")
-    eta = int((time.time() - START[0]) / (update - START[1]) * (n - update))  # at the pace so far
+    if not START:  # the ETA's clock starts at the first line: start-up and compiling are not training
+        START[:] = time.time(), update
+    began, first = START
+    eta = int((time.time() - began) / (update - first) * (n - update)) if update > first else None
     print(f"update {update}/{n} | step {step:,}/{step // update * n:,} ({update / n:.0%}) "
           f"| SPS {row['charts/SPS']:,.0f} | return {'-' if score is None else f'{score:.2f}'} "
-          f"| ETA {eta // 60}m{eta % 60:02d}s", flush=True)
+          f"| ETA {'-' if eta is None else f'{eta // 60}m{eta % 60:02d}s'}", flush=True)
 def end(run, code, line):
     ckpt = run.folder and run.folder / "checkpoint.npz"
     print(line + (f"; --resume {ckpt} to go on" if ckpt and ckpt.exists() else ""), file=sys.stderr)

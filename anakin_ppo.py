@@ -41,7 +41,16 @@ import sys
 import time
 from functools import partial
 from pathlib import Path
-from typing import Callable, NamedTuple
+from typing import Annotated, Callable, NamedTuple
+
+# This comes before `import jax` because JAX swallows a Ctrl-C raised inside its callbacks: from
+# here on a stop signal is only recorded, the run stops at its next safe point, and a second signal
+# ends the process at once.
+STOPS = []  # the signals caught
+def note_stop(signum, frame):
+    STOPS.append(signum)
+    signal.signal(signal.SIGINT, signal.SIG_DFL), signal.signal(signal.SIGTERM, signal.SIG_DFL)
+signal.signal(signal.SIGINT, note_stop), signal.signal(signal.SIGTERM, note_stop)
 
 import jax
 import jax.numpy as jnp
@@ -53,25 +62,30 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from tensorboardX import SummaryWriter
 
 
+def by_env(name):  # --help gives each env's value of the flag, from ENVS (below: read when tyro.cli runs)
+    return tyro.conf.arg(help_behavior_hint=lambda _: "(default: " + ", ".join(
+        f"{env_id} {env.defaults[name]}" for env_id, env in ENVS.items()) + ")")
+
+
 @dataclasses.dataclass
 class Args:
     env_id: str = "CartPole-v1"  # CartPole-v1 (discrete) or Pendulum-v1 (continuous)
     seed: int = 1  # agent i of --num-seeds draws all its randomness from (seed, i)
     num_seeds: int = 1  # independent agents, side by side (vmap)
-    # A flag left at None takes its env's value in ENVS.
-    total_timesteps: int | None = None  # env steps of one agent (CartPole-v1 500_000, Pendulum-v1 1_000_000)
-    learning_rate: float | None = None  # Adam step size (CartPole-v1 2.5e-4, Pendulum-v1 1e-3)
+    # Some defaults depend on the env.
+    total_timesteps: Annotated[int | None, by_env("total_timesteps")] = None  # env steps of one agent
+    learning_rate: Annotated[float | None, by_env("learning_rate")] = None  # Adam step size
     anneal_lr: bool = True  # the step size falls linearly to zero
-    num_envs_per_device: int | None = None  # envs per agent and device (CartPole-v1 4, Pendulum-v1 32)
-    num_devices: int | None = None  # per host (default: all)
-    num_steps: int | None = None  # rollout length (CartPole-v1 128, Pendulum-v1 128)
-    update_epochs: int | None = None  # passes over each rollout (CartPole-v1 4, Pendulum-v1 10)
-    num_minibatches: int | None = None  # per epoch and device (CartPole-v1 4, Pendulum-v1 32)
-    gamma: float | None = None  # discount (CartPole-v1 0.99, Pendulum-v1 0.95)
+    num_envs_per_device: Annotated[int | None, by_env("num_envs_per_device")] = None  # envs per agent and device
+    num_devices: Annotated[int | None, tyro.conf.arg(help_behavior_hint="(default: all)")] = None  # per host
+    num_steps: Annotated[int | None, by_env("num_steps")] = None  # rollout length
+    update_epochs: Annotated[int | None, by_env("update_epochs")] = None  # passes over each rollout
+    num_minibatches: Annotated[int | None, by_env("num_minibatches")] = None  # per epoch and device
+    gamma: Annotated[float | None, by_env("gamma")] = None  # discount
     gae_lambda: float = 0.95  # GAE's lambda
     clip_coef: float = 0.2  # PPO's ratio (and value) clip range
-    clip_vloss: bool | None = None  # clip the value loss (CartPole-v1 True, Pendulum-v1 False)
-    ent_coef: float | None = None  # entropy bonus (CartPole-v1 0.01, Pendulum-v1 0.0)
+    clip_vloss: Annotated[bool | None, by_env("clip_vloss")] = None  # clip the value loss
+    ent_coef: Annotated[float | None, by_env("ent_coef")] = None  # entropy bonus
     vf_coef: float = 0.5  # value loss coefficient
     max_grad_norm: float = 0.5  # global-norm gradient clip
     log_every: int = 50  # updates per compiled call and log line
@@ -82,7 +96,7 @@ class Args:
     resume: str | None = None  # a checkpoint.npz to continue
     distributed: bool = False  # call jax.distributed.initialize() (multi-host)
     coordinator_address: str | None = None  # host:port of process 0 (multi-host)
-    num_processes: int | None = None
+    num_processes: int | None = None  # processes in all (multi-host)
     process_id: int | None = None  # this process's index
 
 
@@ -625,35 +639,38 @@ def main(args: Args) -> dict:
 
 
 # ---- Plumbing: run folder, signals, checkpoints, metrics; the same in all four scripts ----
-STOPS, START = [], []  # signals caught; the time and update when the run began: the ETA's pace
+START = []  # the time and update of the first progress line: the ETA's pace is training's alone
 def fail(message):
     print(f"error: {message}", file=sys.stderr, flush=True)
     sys.exit(2)
-
 def start(args):
-    """First in `main`: refuse counts below 1, join the other hosts, then catch SIGINT and SIGTERM: JAX drops a
-    Ctrl-C raised in its callbacks, and jax.distributed sets a SIGTERM handler of its own."""
+    """First in `main`: refuse counts below 1 and seeds out of range, then join the other hosts."""
     if low := [k for k, v in vars(args).items() if type(v) is int and v < 1 and k not in ("seed", "process_id")]:
         fail(f"--{low[0].replace('_', '-')} {getattr(args, low[0])} must be at least 1")  # a count
+    if not 0 <= args.seed < 2**31:  # envpool takes int32 seeds, and default_rng no negative ones
+        fail(f"--seed {args.seed} must be in 0..{2**31 - 1}")
     if args.distributed:  # flags left unset are found by JAX itself (SLURM, Cloud TPU, Kubernetes)
-        jax.distributed.initialize(args.coordinator_address, args.num_processes, args.process_id)
+        try:
+            jax.distributed.initialize(args.coordinator_address, args.num_processes, args.process_id)
+        except ValueError as e:  # JAX checks the three where it finds no cluster to fill them in
+            fail(f"--distributed could not start ({e}): outside SLURM, Cloud TPU and Kubernetes "
+                 "give --coordinator-address, --num-processes and --process-id")
+        signal.signal(signal.SIGTERM, signal.getsignal(signal.SIGINT))  # SIGINT's, not JAX's own
     elif args.coordinator_address or args.num_processes or args.process_id is not None:
         fail("--coordinator-address, --num-processes and --process-id need --distributed")
-    def note_stop(signum, frame):  # the run stops at its next safe point; a second signal ends it at once
-        STOPS.append(signum)
-        signal.signal(signal.SIGINT, signal.SIG_DFL), signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, note_stop), signal.signal(signal.SIGTERM, note_stop)
 
 class Run(NamedTuple):
     folder: Path | None  # {run-dir}/{env}__{exp-name}__{seed}__{unix time}; process 0 only
     writer: SummaryWriter | None  # TensorBoard
     num_updates: int
 def open_run(args, update, num_updates):  # other characters become "_": --exp-name cannot leave --run-dir
-    START[:] = time.time(), update
     if jax.process_index() != 0:
         return Run(folder=None, writer=None, num_updates=num_updates)
     name = "__".join(re.sub(r"[^\w.+-]", "_", str(s)) for s in (args.env_id, args.exp_name, args.seed))
-    (folder := Path(args.run_dir) / f"{name}__{int(time.time())}").mkdir(parents=True)
+    try:  # a file in the way, no permission, a name too long
+        (folder := Path(args.run_dir) / f"{name}__{int(time.time())}").mkdir(parents=True)
+    except OSError as e:
+        fail(f"--run-dir {args.run_dir} and --exp-name: cannot make the run folder ({e.strerror})")
     (folder / "args.json").write_text(json.dumps(dataclasses.asdict(args), indent=2))
     return Run(folder=folder, writer=SummaryWriter(str(folder)), num_updates=num_updates)
 
@@ -700,10 +717,13 @@ def log(run, row):  # process 0 writes and prints for all
         run.writer.add_scalar(name, row[name], row["global_step"])
     run.writer.flush()
     update, n, step, score = row["update"], run.num_updates, row["global_step"], row.get("charts/episodic_return")
-    eta = int((time.time() - START[0]) / (update - START[1]) * (n - update))  # at the pace so far
+    if not START:  # the ETA's clock starts at the first line: start-up and compiling are not training
+        START[:] = time.time(), update
+    began, first = START
+    eta = int((time.time() - began) / (update - first) * (n - update)) if update > first else None
     print(f"update {update}/{n} | step {step:,}/{step // update * n:,} ({update / n:.0%}) "
           f"| SPS {row['charts/SPS']:,.0f} | return {'-' if score is None else f'{score:.2f}'} "
-          f"| ETA {eta // 60}m{eta % 60:02d}s", flush=True)
+          f"| ETA {'-' if eta is None else f'{eta // 60}m{eta % 60:02d}s'}", flush=True)
 def end(run, code, line):
     ckpt = run.folder and run.folder / "checkpoint.npz"
     print(line + (f"; --resume {ckpt} to go on" if ckpt and ckpt.exists() else ""), file=sys.stderr)

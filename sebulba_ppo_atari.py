@@ -36,10 +36,20 @@ import sys
 import threading
 import time
 import traceback
+import warnings
 from collections import defaultdict
 from functools import cache, partial
 from pathlib import Path
-from typing import NamedTuple
+from typing import Annotated, NamedTuple
+
+# This comes before `import jax` because JAX swallows a Ctrl-C raised inside its callbacks: from
+# here on a stop signal is only recorded, the run stops at its next safe point, and a second signal
+# ends the process at once.
+STOPS = []  # the signals caught
+def note_stop(signum, frame):
+    STOPS.append(signum)
+    signal.signal(signal.SIGINT, signal.SIG_DFL), signal.signal(signal.SIGTERM, signal.SIG_DFL)
+signal.signal(signal.SIGINT, note_stop), signal.signal(signal.SIGTERM, note_stop)
 
 import jax
 import jax.numpy as jnp
@@ -54,6 +64,10 @@ import envpool
 import gymnasium as gym
 
 
+def default_is(text):  # what --help says a flag left at None stands for (tyro would say None)
+    return tyro.conf.arg(help_behavior_hint=f"(default: {text})")
+
+
 @dataclasses.dataclass
 class Args:
     env_id: str = "Breakout-v5"  # envpool Atari or gymnasium `module:Name-v0` (images)
@@ -61,8 +75,8 @@ class Args:
     total_timesteps: int = 10_000_000  # agent steps, all hosts
     learning_rate: float = 2.5e-4  # Adam step size
     anneal_lr: bool = True  # decay the step size linearly to 0
-    actor_device_ids: list[int] | None = None  # local devices that act (default: 0)
-    learner_device_ids: list[int] | None = None  # local devices that learn (default: others, or 0)
+    actor_device_ids: Annotated[list[int] | None, default_is("0")] = None  # local devices that act
+    learner_device_ids: Annotated[list[int] | None, default_is("others, or 0")] = None  # local devices that learn
     num_actor_threads: int = 2  # per actor device: one steps envs while another acts
     local_num_envs: int = 16  # envs per actor thread
     async_envs: bool = False  # step half the envs while acting for the other half
@@ -118,7 +132,11 @@ def describe_env(env_id, machado):
             fail(f"--env-id {env_id!r}: module {module!r} does not import ({type(e).__name__}: {e})")
         if name not in gym.registry:
             fail(f"--env-id {env_id!r}: no such envpool or gymnasium environment")
-        spaces = gym.make(name)
+        try:  # a registered env may still not make: a dependency missing, a version retired
+            with warnings.catch_warnings(action="ignore"):  # they come again in make_envs
+                spaces = gym.make(name)
+        except Exception as e:  # whatever its maker raised
+            fail(f"--env-id {env_id!r}: gymnasium cannot make it ({type(e).__name__}: {e})")
     obs_space, act_space = spaces.observation_space, spaces.action_space
     if not isinstance(act_space, gym.spaces.Discrete) or act_space.start != 0 or not isinstance(
             obs_space, gym.spaces.Box) or len(obs_space.shape) != 3:
@@ -376,13 +394,17 @@ def pick_devices(args):
     return Layout(actor_devices=[mine[i] for i in actors],
                   learner_devices=[mine[i] for i in learners], mesh=mesh)
 
-def initial_state(args, env_info, layout, num_updates):
+def initial_state(args, env_info, layout, num_updates, batch_size):
     """The TrainState (new or --resume's) on every learner, and its update. A jax.Array may span
     devices; its sharding says which part each holds (P(): all of it). A host places data only on
     its own devices: make_array_from_process_local_data copies this host's data to them."""
     init = partial(init_state, jax.random.PRNGKey(args.seed), args, env_info, num_updates)
     ckpt = args.resume and load(args, {"state": jax.eval_shape(init), "update": np.int64(0),
                                        "global_step": np.int64(0)})  # eval_shape: shapes, not values
+    # load refused other flags, so another batch size means another number of hosts.
+    if ckpt and ckpt["global_step"] != ckpt["update"] * batch_size:
+        fail(f"--resume {args.resume}: its run made {ckpt['global_step'] // ckpt['update']:,} steps an update, "
+             f"here {jax.process_count()} hosts make {batch_size:,}: resume on as many hosts as it had")
     if ckpt and ckpt["update"] >= num_updates:
         fail(f"--resume {args.resume}: its run has done all {num_updates} updates (raise --total-timesteps)")
     tree = ckpt["state"] if ckpt else jax.device_get(init())  # the same on every host
@@ -659,7 +681,7 @@ def main(args):
     batch_size = check_sizes(args, layout)
     note_a_cpu_learner(args, env_info, layout)
     num_updates = args.total_timesteps // batch_size
-    state, start_update = initial_state(args, env_info, layout, num_updates)
+    state, start_update = initial_state(args, env_info, layout, num_updates, batch_size)
     run = open_run(args, start_update, num_updates)
     store = ParamStore(layout.actor_devices)
     store.publish(start_update, state.params)
@@ -676,35 +698,38 @@ def main(args):
 
 
 # ---- Plumbing: run folder, signals, checkpoints, metrics; the same in all four scripts ----
-STOPS, START = [], []  # signals caught; the time and update when the run began: the ETA's pace
+START = []  # the time and update of the first progress line: the ETA's pace is training's alone
 def fail(message):
     print(f"error: {message}", file=sys.stderr, flush=True)
     sys.exit(2)
-
 def start(args):
-    """First in `main`: refuse counts below 1, join the other hosts, then catch SIGINT and SIGTERM: JAX drops a
-    Ctrl-C raised in its callbacks, and jax.distributed sets a SIGTERM handler of its own."""
+    """First in `main`: refuse counts below 1 and seeds out of range, then join the other hosts."""
     if low := [k for k, v in vars(args).items() if type(v) is int and v < 1 and k not in ("seed", "process_id")]:
         fail(f"--{low[0].replace('_', '-')} {getattr(args, low[0])} must be at least 1")  # a count
+    if not 0 <= args.seed < 2**31:  # envpool takes int32 seeds, and default_rng no negative ones
+        fail(f"--seed {args.seed} must be in 0..{2**31 - 1}")
     if args.distributed:  # flags left unset are found by JAX itself (SLURM, Cloud TPU, Kubernetes)
-        jax.distributed.initialize(args.coordinator_address, args.num_processes, args.process_id)
+        try:
+            jax.distributed.initialize(args.coordinator_address, args.num_processes, args.process_id)
+        except ValueError as e:  # JAX checks the three where it finds no cluster to fill them in
+            fail(f"--distributed could not start ({e}): outside SLURM, Cloud TPU and Kubernetes "
+                 "give --coordinator-address, --num-processes and --process-id")
+        signal.signal(signal.SIGTERM, signal.getsignal(signal.SIGINT))  # SIGINT's, not JAX's own
     elif args.coordinator_address or args.num_processes or args.process_id is not None:
         fail("--coordinator-address, --num-processes and --process-id need --distributed")
-    def note_stop(signum, frame):  # the run stops at its next safe point; a second signal ends it at once
-        STOPS.append(signum)
-        signal.signal(signal.SIGINT, signal.SIG_DFL), signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, note_stop), signal.signal(signal.SIGTERM, note_stop)
 
 class Run(NamedTuple):
     folder: Path | None  # {run-dir}/{env}__{exp-name}__{seed}__{unix time}; process 0 only
     writer: SummaryWriter | None  # TensorBoard
     num_updates: int
 def open_run(args, update, num_updates):  # other characters become "_": --exp-name cannot leave --run-dir
-    START[:] = time.time(), update
     if jax.process_index() != 0:
         return Run(folder=None, writer=None, num_updates=num_updates)
     name = "__".join(re.sub(r"[^\w.+-]", "_", str(s)) for s in (args.env_id, args.exp_name, args.seed))
-    (folder := Path(args.run_dir) / f"{name}__{int(time.time())}").mkdir(parents=True)
+    try:  # a file in the way, no permission, a name too long
+        (folder := Path(args.run_dir) / f"{name}__{int(time.time())}").mkdir(parents=True)
+    except OSError as e:
+        fail(f"--run-dir {args.run_dir} and --exp-name: cannot make the run folder ({e.strerror})")
     (folder / "args.json").write_text(json.dumps(dataclasses.asdict(args), indent=2))
     return Run(folder=folder, writer=SummaryWriter(str(folder)), num_updates=num_updates)
 
@@ -751,10 +776,13 @@ def log(run, row):  # process 0 writes and prints for all
         run.writer.add_scalar(name, row[name], row["global_step"])
     run.writer.flush()
     update, n, step, score = row["update"], run.num_updates, row["global_step"], row.get("charts/episodic_return")
-    eta = int((time.time() - START[0]) / (update - START[1]) * (n - update))  # at the pace so far
+    if not START:  # the ETA's clock starts at the first line: start-up and compiling are not training
+        START[:] = time.time(), update
+    began, first = START
+    eta = int((time.time() - began) / (update - first) * (n - update)) if update > first else None
     print(f"update {update}/{n} | step {step:,}/{step // update * n:,} ({update / n:.0%}) "
           f"| SPS {row['charts/SPS']:,.0f} | return {'-' if score is None else f'{score:.2f}'} "
-          f"| ETA {eta // 60}m{eta % 60:02d}s", flush=True)
+          f"| ETA {'-' if eta is None else f'{eta // 60}m{eta % 60:02d}s'}", flush=True)
 def end(run, code, line):
     ckpt = run.folder and run.folder / "checkpoint.npz"
     print(line + (f"; --resume {ckpt} to go on" if ckpt and ckpt.exists() else ""), file=sys.stderr)

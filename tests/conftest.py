@@ -1,6 +1,7 @@
 """The test harness shared by every script's tests (the only code the scripts share).
 
-- `load(script)`: import a top-level script as a module, to unit-test its pure functions.
+- `load(script)`: import a top-level script as a module, to unit-test its pure functions (the
+  process keeps its own SIGINT and SIGTERM handlers).
 - `run(script, args, tmp_path, devices=N)`: run a script as a subprocess with N fake CPU
   devices (XLA_FLAGS must be set before JAX is imported, hence the subprocess), returning
   its exit status, output and parsed `metrics.jsonl`.
@@ -17,6 +18,7 @@ import importlib.util
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -40,7 +42,10 @@ def load(script):
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
+    handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
     spec.loader.exec_module(module)
+    for signum, handler in handlers.items():  # a script only records stop signals, from its first lines: not here
+        signal.signal(signum, handler)
     return module
 
 

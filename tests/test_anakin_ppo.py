@@ -32,7 +32,7 @@ def test_every_env_gives_a_value_to_each_flag_left_at_none_and_help_names_it(cap
         tyro.cli(ppo.Args, args=["--help"])
     helptext = " ".join(capsys.readouterr().out.replace("│", " ").split())  # without the box around it
     for name in at_none:
-        flag_help = helptext.split(f"--{name.replace('_', '-')} {{None")[1].split("(default:")[0]
+        flag_help = helptext.split(f"--{name.replace('_', '-')} {{None")[1].split("(default: ")[1].split(")")[0] + ")"
         for env_id, env in ppo.ENVS.items():
             said = re.search(rf"{env_id} (\S+?)[,)]", flag_help).group(1)
             value = env.defaults[name]
