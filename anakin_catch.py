@@ -35,9 +35,8 @@ from functools import partial
 from pathlib import Path
 from typing import Annotated, NamedTuple
 
-# This comes before `import jax` because JAX swallows a Ctrl-C raised inside its callbacks: from
-# here on a stop signal is only recorded, the run stops at its next safe point, and a second signal
-# ends the process at once.
+# Before `import jax`, which swallows a Ctrl-C raised in its callbacks: from here a signal is only
+# recorded, the run stops at its next safe point, and a second signal ends the process at once.
 STOPS = []  # the signals caught
 def note_stop(signum, frame):
     STOPS.append(signum)
@@ -137,11 +136,10 @@ def apply(params, obs):
 # ---- The loss: Peng's Q(lambda), bootstrapping with max_a Q
 
 def lambda_returns(rewards, discounts, next_values, lam):
-    """The lambda-return of each step t of 0..T-1, computed backwards from G_T = v_T:
-    G_t = r_t + d_t ((1 - lam) v_t+1 + lam G_t+1), where d_t is step t's discount and v_t+1 the
-    value of the state step t led to (`next_values[t]`). All arrays are [T].
-    `jax.lax.scan` is a compiled for-loop: it calls `backward` on each row of the inputs, last row
-    first (`reverse=True`), passes the carry on and stacks the outputs."""
+    """The lambda-return of each step t of 0..T-1, computed backwards from G_T = v_T: G_t = r_t +
+    d_t ((1 - lam) v_{t+1} + lam G_{t+1}), with d_t step t's discount and v_{t+1} = next_values[t], the
+    value of the state step t led to. All arrays are [T]. `jax.lax.scan` is a compiled for-loop: it
+    calls `backward` on each row of the inputs, last row first, passes the carry on, stacks the outputs."""
     def backward(g_next, x):
         r, d, v = x
         g = r + d * ((1 - lam) * v + lam * g_next)
@@ -154,9 +152,8 @@ def lambda_returns(rewards, discounts, next_values, lam):
 def q_lambda_loss(q, q_last, actions, rewards, dones, gamma, lam):
     """q: [T, A], q_last: [A] (after the rollout), the rest [T]. Where step t ends an episode, its
     discount is 0, so row t + 1 of `q` (the next episode's first state) is not in t's target. The
-    gradient reaches the parameters only through `q_taken`, the Q-values of the actions taken: the
-    actions are integers, which carry no gradient, and `stop_gradient` holds the targets (made of
-    the next states' max_a Q) fixed."""
+    targets are made of the same network's Q-values, but `stop_gradient` holds them fixed: the
+    gradient reaches the parameters only through `q_taken`, the Q-values of the actions taken."""
     next_values = jnp.max(jnp.concatenate([q[1:], q_last[None]]), axis=-1)
     targets = lambda_returns(rewards, gamma * (1.0 - dones), next_values, lam)
     q_taken = jnp.take_along_axis(q, actions[:, None], axis=-1)[:, 0]
@@ -203,9 +200,8 @@ def init_state(key, args, num_envs):
     k_params, k_lanes = jax.random.split(key)
     params = init_params(k_params)
     # JAX has no global random state: each draw takes a key, and jax.random.split makes new keys.
-    # `jax.vmap` runs a function of one env on many (each array gains a leading axis, one row an
-    # env). Here it splits each env's key in two: one draws the env's first episode, the other
-    # becomes the lane's key.
+    # Under `jax.vmap` (a leading axis, a row an env) each env's key is split in two: one draws the
+    # env's first episode, the other becomes the lane's key.
     keys = jax.vmap(jax.random.split)(jax.random.split(k_lanes, num_envs))  # [envs, 2, 2]
     zeros = jnp.zeros(num_envs)
     lanes = Lane(env=jax.vmap(reset)(keys[:, 0]), key=keys[:, 1], ep_return=zeros, ep_length=zeros.astype(jnp.int32))
@@ -233,13 +229,12 @@ def rollout(params, lane, args):
 
 def lane_loss(params, lane, args):
     """One lane's rollout, scored with Q(lambda): the colab's `loss_fn`. A loss term goes here.
-    Each device's loss is the mean over its lanes, and `update` pmeans the gradients over devices,
-    which hold equal lane counts: a term that is a mean over the lane's steps, as this loss is,
-    trains on the mean over all steps of all lanes of all hosts. A term of the parameters alone (an
-    L2 penalty) is the same in every lane and on every device: the means count it once, so it is
-    right as written. The Sebulba scripts instead psum the gradients of each learner's share, a sum
-    over its own samples: a loss moved there that keeps its `.mean()` gets L (learners) times the
-    gradient, and a term of the parameters alone is counted once per learner."""
+    Each device's loss is the mean over its lanes, and `update` pmeans the gradients over devices of
+    equal lane counts: a mean over the lane's steps, as this loss is, trains on the mean over all
+    steps of all hosts, and a term of the parameters alone (an L2 penalty), the same in every lane
+    and on every device, is counted once: right as written. The Sebulba scripts psum each learner's
+    share, a sum over its own samples: a loss moved there that keeps its `.mean()` gets L (learners)
+    times the gradient, and a term of the parameters alone is counted once per learner."""
     lane, traj, q_last = rollout(params, lane, args)
     loss = q_lambda_loss(traj.q, q_last, traj.action, traj.reward, traj.done, args.gamma, args.q_lambda)
     stats = Stats(td_loss=loss, q_values=traj.q.mean(), return_sum=traj.ended_return.sum(),
@@ -253,14 +248,14 @@ def update(state, args):
     gradients over `j` and the cores (`i`). Here only `lane_loss` is vmapped: the gradient of the
     lanes' mean is the mean of their gradients, the same update without per-lane copies."""
     def device_loss(params):
-        # vmap runs `lane_loss` on every lane of this device at once (params and args shared: None;
-        # lanes split on their first axis: 0).
+        # vmap runs `lane_loss` on all this device's lanes at once: params, args shared (None), lanes split (0).
         losses, aux = jax.vmap(lane_loss, (None, 0, None))(params, state.lanes, args)
         return losses.mean(), aux
 
     (_, (lanes, stats)), grads = jax.value_and_grad(device_loss, has_aux=True)(state.params)
-    # "devices" is the mesh axis of all hosts' devices (`pick_devices`, bound by `shard_map`); as
-    # they hold equal lane counts, their gradients' mean is the gradient of the mean over all lanes.
+    # "devices" is the mesh axis of all hosts' devices (`pick_devices`, bound by `shard_map` below),
+    # and pmean over it is DDP's all_reduce of the mean. As the devices hold equal lane counts, their
+    # gradients' mean is the gradient of the mean over all lanes.
     grads = jax.lax.pmean(grads, "devices")
     deltas, opt_state = make_optimizer(args).update(grads, state.opt_state)
     params = optax.apply_updates(state.params, deltas)
@@ -270,11 +265,9 @@ def update(state, args):
 
 # ---- The device mapping: shard_map over devices
 
-# shard_map's specs (see `make_train`), one for each TrainState field, each covering the field's
-# whole subtree: P() for `params` stands for every weight array in it (for `opt_state`, every Adam
-# moment). As an input spec, P() gives each device the whole array, and P("devices") splits each
-# leaf's first axis over the mesh axis "devices": a leaf of `lanes` is [envs, ...] in all and
-# [E, ...] on each device.
+# shard_map's specs (see `make_train`), one a TrainState field, each covering the field's whole
+# subtree (every weight in `params`, every Adam moment in `opt_state`). As an input spec, P() gives
+# each device the whole array; P("devices") splits each leaf's first axis: [envs, ...] to [E, ...].
 STATE_SPECS = TrainState(params=P(), opt_state=P(), lanes=P("devices"))
 
 
@@ -291,14 +284,13 @@ def make_train(args, mesh):
         zeros = Stats(**{name: jnp.float32(0) for name in Stats._fields})
         return jax.lax.fori_loop(0, n, one_update, (state, zeros))  # a compiled for-loop
 
-    # shard_map runs `train` on each device with its share of the inputs (in_specs) and joins the
-    # devices' results into the outputs (out_specs). In out_specs, P() is a promise that every
-    # device holds the same value (the params, kept equal by the pmean, and the psum'ed stats), so
-    # JAX returns device 0's copy; with check_vma=False, nothing checks the promise. "vma" stands
-    # for varying manual axes: with the check on, JAX tracks over which mesh axes each value may
-    # vary between devices. It would see that the params (P()) do not vary and sum their gradient
-    # over the devices itself, so `update`'s pmean would return N times the mean. With it off, each
-    # device's gradient is its own lanes' until that pmean averages them.
+    # shard_map runs `train` on each device with its share of the inputs (in_specs), as DDP runs a
+    # process per GPU, and joins the devices' results into the outputs (out_specs). In out_specs, P()
+    # promises that every device holds the same value (the params, kept equal by the pmean, and the
+    # psum'ed stats), so JAX returns device 0's copy; check_vma=False leaves the promise unchecked.
+    # "vma" stands for varying manual axes: with the check on, JAX tracks over which mesh axes each
+    # value may vary, would see that the params (P()) do not, and would sum their gradient over the
+    # devices itself, so `update`'s pmean would return N times the mean. Off, gradients stay per device.
     sharded = jax.shard_map(train, mesh=mesh, in_specs=(STATE_SPECS, P()), out_specs=(STATE_SPECS, P()),
                             check_vma=False)
     # donate_argnums=0 lets XLA reuse the old state's memory for the new: the caller never reads it.
@@ -427,7 +419,7 @@ def safe_point(args, run, update, due, tree):  # save tree() if due or stopping;
             os.replace(run.folder / "tmp.npz", run.folder / "checkpoint.npz")
     if signum:
         end(run, 128 + signum, f"stopped by {signal.Signals(signum).name} after update {update}")
-def flat(tree):  # {"state/params/torso/w": array, ...}
+def flat(tree):  # each leaf under its path: {"state/params/<layer>/w": array, ...}
     return {jax.tree_util.keystr(k, simple=True, separator="/"): x for k, x in jax.tree.leaves_with_path(tree)}
 
 def load(args, template):  # template's arrays, if the run had these shapes and flags

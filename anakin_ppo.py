@@ -17,12 +17,16 @@ The envs are in JAX, so rollouts and PPO's epochs are one XLA program:
                            Adam step                           Adam step
     log, checkpoint <- episode returns (psum), losses (pmean), per seed
 
+In PyTorch terms: `vmap` runs a function written for one env (or agent) on a batch of them;
+`shard_map` runs one on every device with its share of the data, as DDP runs a process per GPU;
+`pmean` and `psum` over "devices" are DDP's all_reduce (a mean, a sum).
+
 Reading order:
 1. `Env`, `env_step`: a JAX env, its time limit, auto-reset and `final_obs`.
 2. `gae`, `policy_loss`, `value_loss`, `ppo_loss`: the loss (add loss terms in `ppo_loss`).
 3. `rollout`, `gradient_steps`, `update`: one agent's update on one device.
 4. `make_train`: `update` looped over updates and vmapped over seeds (one device's work, the paper's
-   minimal unit), shard_mapped over devices; `STATE_SPECS` gives the shapes at each level.
+   minimal unit), shard_mapped over devices; the comment at `STATE_SPECS` gives the shapes at each level.
 5. `initial_state`, `main`: the run; skip the plumbing after it.
 
     python anakin_ppo.py
@@ -43,9 +47,8 @@ from functools import partial
 from pathlib import Path
 from typing import Annotated, Callable, NamedTuple
 
-# This comes before `import jax` because JAX swallows a Ctrl-C raised inside its callbacks: from
-# here on a stop signal is only recorded, the run stops at its next safe point, and a second signal
-# ends the process at once.
+# Before `import jax`, which swallows a Ctrl-C raised in its callbacks: from here a signal is only
+# recorded, the run stops at its next safe point, and a second signal ends the process at once.
 STOPS = []  # the signals caught
 def note_stop(signum, frame):
     STOPS.append(signum)
@@ -685,7 +688,7 @@ def safe_point(args, run, update, due, tree):  # save tree() if due or stopping;
             os.replace(run.folder / "tmp.npz", run.folder / "checkpoint.npz")
     if signum:
         end(run, 128 + signum, f"stopped by {signal.Signals(signum).name} after update {update}")
-def flat(tree):  # {"state/params/torso/w": array, ...}
+def flat(tree):  # each leaf under its path: {"state/params/<layer>/w": array, ...}
     return {jax.tree_util.keystr(k, simple=True, separator="/"): x for k, x in jax.tree.leaves_with_path(tree)}
 
 def load(args, template):  # template's arrays, if the run had these shapes and flags

@@ -41,9 +41,8 @@ from functools import cache, partial
 from pathlib import Path
 from typing import Annotated, Literal, NamedTuple
 
-# This comes before `import jax` because JAX swallows a Ctrl-C raised inside its callbacks: from
-# here on a stop signal is only recorded, the run stops at its next safe point, and a second signal
-# ends the process at once.
+# Before `import jax`, which swallows a Ctrl-C raised in its callbacks: from here a signal is only
+# recorded, the run stops at its next safe point, and a second signal ends the process at once.
 STOPS = []  # the signals caught
 def note_stop(signum, frame):
     STOPS.append(signum)
@@ -729,7 +728,7 @@ def safe_point(args, run, update, due, tree):  # save tree() if due or stopping;
             os.replace(run.folder / "tmp.npz", run.folder / "checkpoint.npz")
     if signum:
         end(run, 128 + signum, f"stopped by {signal.Signals(signum).name} after update {update}")
-def flat(tree):  # {"state/params/torso/w": array, ...}
+def flat(tree):  # each leaf under its path: {"state/params/<layer>/w": array, ...}
     return {jax.tree_util.keystr(k, simple=True, separator="/"): x for k, x in jax.tree.leaves_with_path(tree)}
 
 def load(args, template):  # template's arrays, if the run had these shapes and flags
