@@ -397,7 +397,7 @@ class Run(NamedTuple):
     folder: Path | None  # {run-dir}/{env}__{exp-name}__{seed}__{unix time}; process 0 only
     writer: SummaryWriter | None  # TensorBoard
     num_updates: int
-def open_run(args, update, num_updates):  # other characters become "_": --exp-name cannot leave --run-dir
+def open_run(args, update, num_updates):  # other characters become "_", so the folder stays in --run-dir
     if jax.process_index() != 0:
         return Run(folder=None, writer=None, num_updates=num_updates)
     name = "__".join(re.sub(r"[^\w.+-]", "_", str(s)) for s in (args.env_id, args.exp_name, args.seed))

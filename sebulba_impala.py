@@ -64,8 +64,9 @@ import gymnasium as gym
 warnings.filterwarnings("ignore", message=".*precision lowered.*")  # envpool's CartPole: harmless
 
 
-# Images: the IMPALA paper's values (appendix G). Vectors: larger steps, as RMSProp moves a weight
-# by about one step size an update and CartPole's values reach 100.
+# Images: the IMPALA paper's values (its appendix G). Vectors: a larger step size, because RMSProp
+# moves each weight by about one step size an update, whatever the gradient's scale, and CartPole's
+# values climb to about 100.
 DEFAULTS = {"image": dict(total_timesteps=10_000_000, learning_rate=6e-4, num_steps=20,
                           rmsprop_eps=0.01, network="deep", log_every=10),
             "vector": dict(total_timesteps=300_000, learning_rate=5e-3, num_steps=16,
@@ -83,7 +84,7 @@ class Args:
     """Some defaults depend on the env's observations: images or vectors."""
     env_id: str = "Breakout-v5"  # envpool (`Pong-v5`, `CartPole-v1`) or gymnasium `module:Name-v0`
     seed: int = 1  # seeds parameters, envs and sampling
-    total_timesteps: Annotated[int | None, by_obs("total_timesteps")] = None  # agent steps, all hosts
+    total_timesteps: Annotated[int | None, by_obs("total_timesteps")] = None  # env steps, all hosts (reset steps too)
     learning_rate: Annotated[float | None, by_obs("learning_rate")] = None  # RMSProp step size
     anneal_lr: bool = True  # decay the step size linearly to 0
     actor_device_ids: Annotated[list[int] | None, default_is("0")] = None  # local devices that act
@@ -706,7 +707,7 @@ class Run(NamedTuple):
     folder: Path | None  # {run-dir}/{env}__{exp-name}__{seed}__{unix time}; process 0 only
     writer: SummaryWriter | None  # TensorBoard
     num_updates: int
-def open_run(args, update, num_updates):  # other characters become "_": --exp-name cannot leave --run-dir
+def open_run(args, update, num_updates):  # other characters become "_", so the folder stays in --run-dir
     if jax.process_index() != 0:
         return Run(folder=None, writer=None, num_updates=num_updates)
     name = "__".join(re.sub(r"[^\w.+-]", "_", str(s)) for s in (args.env_id, args.exp_name, args.seed))

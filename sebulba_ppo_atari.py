@@ -71,7 +71,7 @@ def default_is(text):  # what --help says a flag left at None stands for (tyro w
 class Args:
     env_id: str = "Breakout-v5"  # envpool Atari or gymnasium `module:Name-v0` (images)
     seed: int = 1  # seeds parameters, envs and sampling
-    total_timesteps: int = 10_000_000  # agent steps, all hosts
+    total_timesteps: int = 10_000_000  # env steps, all hosts (reset steps too)
     learning_rate: float = 2.5e-4  # Adam step size
     anneal_lr: bool = True  # decay the step size linearly to 0
     actor_device_ids: Annotated[list[int] | None, default_is("0")] = None  # local devices that act
@@ -88,7 +88,7 @@ class Args:
     ent_coef: float = 0.01  # entropy bonus weight
     vf_coef: float = 0.5  # value loss weight
     max_grad_norm: float = 0.5  # global-norm gradient clipping
-    policy_lag: bool = True  # act one update behind (--no-policy-lag: the newest)
+    policy_lag: bool = True  # act exactly one update behind (--no-policy-lag: wait for the newest)
     machado: bool = False  # Atari as Machado et al. (2018): sticky actions, all 18, no life loss
     log_every: int = 1  # updates between metrics rows
     checkpoint_every: int = 50  # updates between checkpoints (and one at the end)
@@ -721,7 +721,7 @@ class Run(NamedTuple):
     folder: Path | None  # {run-dir}/{env}__{exp-name}__{seed}__{unix time}; process 0 only
     writer: SummaryWriter | None  # TensorBoard
     num_updates: int
-def open_run(args, update, num_updates):  # other characters become "_": --exp-name cannot leave --run-dir
+def open_run(args, update, num_updates):  # other characters become "_", so the folder stays in --run-dir
     if jax.process_index() != 0:
         return Run(folder=None, writer=None, num_updates=num_updates)
     name = "__".join(re.sub(r"[^\w.+-]", "_", str(s)) for s in (args.env_id, args.exp_name, args.seed))
