@@ -147,7 +147,8 @@ def make_envs(args, num_envs, seeds):
     env_info = describe_env(args.env_id, args.machado)
     if env_info.source == "gymnasium":
         pool = gym.make_vec(args.env_id.rpartition(":")[2], num_envs, vectorization_mode="sync")
-    else:  # the env batches' threads share this process's cores (Linux says which)
+    else:  # all batches step at once: each gets its part of the cores this process may run on,
+        # which Linux's sched_getaffinity counts (a container may allow fewer than os.cpu_count()).
         batches = len(args.actor_device_ids or [0]) * args.num_actor_threads * (1 + args.async_envs)
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
         threads = min(num_envs, max(1, cores // batches))
@@ -168,7 +169,7 @@ def env_reset(envs):
 # actor marks it not `valid`: the loss and game lengths leave it out. Its row holds the ended
 # episode's last observation: a truncated episode bootstraps from its value.
 
-class Step(NamedTuple):  # Atari: each lost life ends a training episode, the last also the game
+class Step(NamedTuple):  # Atari without --machado: each lost life ends an episode
     obs: np.ndarray  # [E, *obs_shape]
     reward: np.ndarray  # [E] (Atari: clipped)
     terminated: np.ndarray  # [E] the episode ended for good: no bootstrap from obs
@@ -186,7 +187,7 @@ def env_recv(envs, actions):  # the step env_send began (gymnasium steps here)
     else:
         obs, reward, terminated, truncated, info = envs.pool.step(actions)
     score, game_over = reward, terminated | truncated
-    if envs.env_info.atari:
+    if envs.env_info.atari:  # info holds the unclipped reward and the game's own end
         score, game_over = info["reward"], info["terminated"].astype(bool) | truncated
     return Step(obs=host_obs(obs, envs.env_info), reward=reward.astype(np.float32),
                 terminated=terminated, ended=terminated | truncated, score=score, game_over=game_over)
@@ -223,7 +224,8 @@ def init_params(key, obs_shape, num_actions, network):
             for i, (c, size, stride) in enumerate(SHALLOW_CONVS):
                 torso[f"conv{i}"] = conv_init(next(keys), c_in, c, size)
                 c_in, h, w = c, (h - size) // stride + 1, (w - size) // stride + 1
-        torso["dense"], hidden = dense_init(next(keys), h * w * c_in, 256, np.sqrt(2)), 256
+        hidden = 256
+        torso["dense"] = dense_init(next(keys), h * w * c_in, hidden, np.sqrt(2))
     return {"torso": torso, "policy": dense_init(next(keys), hidden, num_actions, 0.01),
             "value": dense_init(next(keys), hidden, 1, 1.0)}
 
@@ -239,16 +241,19 @@ def image_input(obs):  # [N, C, H, W] -> [N, H, W, C] float, uint8 scaled to [0,
     return x / 255.0 if obs.dtype == jnp.uint8 else x
 
 def features(p, obs, network):  # obs [N, *obs_shape] -> policy, value features [N, 256 or 64]
-    if network == "mlp":
-        return [jnp.tanh(dense(p[f"{h}1"], jnp.tanh(dense(p[f"{h}0"], obs)))) for h in ("policy", "value")]
+    if network == "mlp":  # two MLPs of two layers, one for each head
+        policy = jnp.tanh(dense(p["policy1"], jnp.tanh(dense(p["policy0"], obs))))
+        value = jnp.tanh(dense(p["value1"], jnp.tanh(dense(p["value0"], obs))))
+        return policy, value
     x = image_input(obs)
     if network == "deep":
         for i in range(len(IMPALA_CHANNELS)):
             stack = p[f"stack{i}"]
             x = conv(stack["conv"], x)
             x = jax.lax.reduce_window(x, -jnp.inf, jax.lax.max, (1, 3, 3, 1), (1, 2, 2, 1), "SAME")  # max-pool
-            for block in (stack["block0"], stack["block1"]):
-                x = x + conv(block["conv1"], jax.nn.relu(conv(block["conv0"], jax.nn.relu(x))))
+            for block in (stack["block0"], stack["block1"]):  # residual: x + two convs of x
+                y = conv(block["conv0"], jax.nn.relu(x))
+                x = x + conv(block["conv1"], jax.nn.relu(y))
         x = jax.nn.relu(x)
     else:
         for i, (_, _, stride) in enumerate(SHALLOW_CONVS):
@@ -258,7 +263,9 @@ def features(p, obs, network):  # obs [N, *obs_shape] -> policy, value features 
 
 def apply(params, obs, network):
     """obs [..., *obs_shape] -> (policy logits [..., A], value [...])."""
-    batch_shape = obs.shape[: obs.ndim - (1 if network == "mlp" else 3)]
+    # The layers take one batch axis: merge the leading ([E] or [T + 1, E]), split them at the end.
+    one_obs_ndim = 1 if network == "mlp" else 3  # [D] or [C, H, W]
+    batch_shape = obs.shape[:obs.ndim - one_obs_ndim]
     obs = obs.reshape(-1, *obs.shape[len(batch_shape):])
     policy_h, value_h = features(params["torso"], obs, network)
     logits, value = dense(params["policy"], policy_h), dense(params["value"], value_h)[:, 0]
@@ -441,7 +448,7 @@ class ParamStore:
         params = {d: jax.device_put(local(params), d) for d in self.devices}
         with self.cond:
             self.versions[version] = params
-            self.versions.pop(version - 2, None)  # the learners have learned from its last rollout
+            self.versions.pop(version - 2, None)  # rollouts to come act with version - 1 or newer
             self.cond.notify_all()
 
     def wait(self, version, device):
@@ -450,7 +457,8 @@ class ParamStore:
             return self.versions[version][device]
 
 def start_actors(args, layout, store, start_update, num_updates):
-    """This host's actor threads, each with a one-rollout queue where a thread ahead waits."""
+    """This host's actor threads, each handing its rollouts to `learn` through a queue of one: a
+    thread whose last rollout the learner has not taken yet waits."""
     def crash(hook):  # a raise ends the run, or the learner would wait forever
         traceback.print_exception(hook.exc_value)
         os._exit(1)
@@ -496,7 +504,8 @@ def start_groups(args, index, device, start_update):
 
 def collect(args, groups, params, states, stats):
     """--num-steps steps of each env group, in num_steps + 1 passes. Pass t, for each group:
-        receive step t - 1 (its row is then whole), act on the actor device, send step t.
+        receive step t - 1, act on the actor device, send step t.
+    Row t - 1 is whole in pass t: its obs and action went out in pass t - 1, its reward comes now.
     The last pass only receives. With --async-envs envpool steps one half while the policy acts."""
     stored, sent = [[] for _ in groups], [None] * len(groups)  # per group: its rows; the step sent
     for t in range(args.num_steps + 1):
@@ -515,11 +524,10 @@ def collect(args, groups, params, states, stats):
                 sent[g] = dict(obs=state.obs, actions=actions, logits=logits)
                 state = state._replace(key=key)
             states[g] = state
-    # One transfer fetches what stayed on the actor device; steps stack along time, groups along
-    # the envs.
+    # One transfer fetches what stayed on the actor device; each group's rows stack along time.
     stored = jax.device_get(stored)
-    rollout = {k: np.concatenate([np.stack([s[k] for s in steps]) for steps in stored], axis=1)
-               for k in stored[0][0]}
+    per_group = [{k: np.stack([row[k] for row in rows]) for k in rows[0]} for rows in stored]
+    rollout = {k: np.concatenate([group[k] for group in per_group], axis=1) for k in per_group[0]}
     last_obs = np.concatenate([state.obs for state in states])  # x_T
     rollout["obs"] = np.concatenate([rollout["obs"], last_obs[None]])
     return Rollout(**rollout), states
@@ -590,7 +598,7 @@ def report(args, run, window, elapsed, update, batch_size):
     actor_stats = [stats for update_stats in actor_stats for stats in update_stats]
     row = {"global_step": update * batch_size, "update": update,
            "charts/SPS": len(window) * batch_size / elapsed,
-           "charts/learning_rate": annealed_lr(args, run.num_updates, update - 1),  # the last one's
+           "charts/learning_rate": annealed_lr(args, run.num_updates, update - 1),  # counts from 0
            "stats/param_lag": max(stats.lag for stats in actor_stats)}
     for name, values in zip(Losses._fields, zip(*losses)):
         row[f"losses/{name}"] = mean(values)

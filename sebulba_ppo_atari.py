@@ -137,7 +137,8 @@ def make_envs(args, num_envs, seeds):
     env_info = describe_env(args.env_id, args.machado)
     if env_info.source == "gymnasium":
         pool = gym.make_vec(args.env_id.rpartition(":")[2], num_envs, vectorization_mode="sync")
-    else:  # the env batches' threads share this process's cores (Linux says which)
+    else:  # all batches step at once: each gets its part of the cores this process may run on,
+        # which Linux's sched_getaffinity counts (a container may allow fewer than os.cpu_count()).
         batches = len(args.actor_device_ids or [0]) * args.num_actor_threads * (1 + args.async_envs)
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
         threads = min(num_envs, max(1, cores // batches))
@@ -157,7 +158,7 @@ def env_reset(envs):
 # actor marks it not `valid`: the loss and game lengths leave it out. Its row holds the ended
 # episode's last observation: a truncated episode bootstraps from its value.
 
-class Step(NamedTuple):  # Atari: each lost life ends a training episode, the last also the game
+class Step(NamedTuple):  # Atari without --machado: each lost life ends an episode
     obs: np.ndarray  # [E, *obs_shape]
     reward: np.ndarray  # [E] (Atari: clipped)
     terminated: np.ndarray  # [E] the episode ended for good: no bootstrap from obs
@@ -175,7 +176,7 @@ def env_recv(envs, actions):  # the step env_send began (gymnasium steps here)
     else:
         obs, reward, terminated, truncated, info = envs.pool.step(actions)
     score, game_over = reward, terminated | truncated
-    if envs.env_info.atari:
+    if envs.env_info.atari:  # info holds the unclipped reward and the game's own end
         score, game_over = info["reward"], info["terminated"].astype(bool) | truncated
     return Step(obs=host_obs(obs, envs.env_info), reward=reward.astype(np.float32),
                 terminated=terminated, ended=terminated | truncated, score=score, game_over=game_over)
@@ -291,7 +292,9 @@ class Losses(NamedTuple):
     entropy: jax.Array
     approx_kl: jax.Array  # KL(pi_prox, pi)
     clipfrac: jax.Array  # pi / pi_prox outside the window
-    clipfrac_first: jax.Array  # pi / mu outside it first: what plain PPO drops
+    # pi / mu outside the window, in the first minibatch only (pi = pi_prox there): the samples the
+    # lag alone put outside plain PPO's window, centred on mu, where it may give them no gradient.
+    clipfrac_first: jax.Array
 
 def ppo_loss(params, mb, args):
     """Each term is this learner's share of the minibatch mean: its samples' sum over n, the count on
@@ -440,7 +443,7 @@ class ParamStore:
         params = {d: jax.device_put(local(params), d) for d in self.devices}
         with self.cond:
             self.versions[version] = params
-            self.versions.pop(version - 2, None)  # the learners have learned from its last rollout
+            self.versions.pop(version - 2, None)  # rollouts to come act with version - 1 or newer
             self.cond.notify_all()
 
     def wait(self, version, device):
@@ -449,7 +452,8 @@ class ParamStore:
             return self.versions[version][device]
 
 def start_actors(args, layout, store, start_update, num_updates):
-    """This host's actor threads, each with a one-rollout queue where a thread ahead waits."""
+    """This host's actor threads, each handing its rollouts to `learn` through a queue of one: a
+    thread whose last rollout the learner has not taken yet waits."""
     def crash(hook):  # a raise ends the run, or the learner would wait forever
         traceback.print_exception(hook.exc_value)
         os._exit(1)
@@ -496,7 +500,8 @@ def start_groups(args, index, device, start_update):
 
 def collect(args, groups, params, states, stats):
     """--num-steps steps of each env group, in num_steps + 1 passes. Pass t, for each group:
-        receive step t - 1 (its row is then whole), act on the actor device, send step t.
+        receive step t - 1, act on the actor device, send step t.
+    Row t - 1 is whole in pass t: its obs and action went out in pass t - 1, its reward comes now.
     The last pass only receives. With --async-envs envpool steps one half while the policy acts."""
     stored, sent = [[] for _ in groups], [None] * len(groups)  # per group: its rows; the step sent
     for t in range(args.num_steps + 1):
@@ -521,11 +526,10 @@ def collect(args, groups, params, states, stats):
         _, _, value, key = act(params, state.obs, state.key)
         bootstrap.append(value)
         states[g] = state._replace(key=key)
-    # One transfer fetches what stayed on the actor device; steps stack along time, groups along
-    # the envs.
+    # One transfer fetches what stayed on the actor device; each group's rows stack along time.
     stored, bootstrap = jax.device_get((stored, bootstrap))
-    rollout = {k: np.concatenate([np.stack([s[k] for s in steps]) for steps in stored], axis=1)
-               for k in stored[0][0]}
+    per_group = [{k: np.stack([row[k] for row in rows]) for k in rows[0]} for rows in stored]
+    rollout = {k: np.concatenate([group[k] for group in per_group], axis=1) for k in per_group[0]}
     rollout["values"] = np.concatenate([rollout["values"], np.concatenate(bootstrap)[None]])
     return Rollout(**rollout), states
 
@@ -609,7 +613,7 @@ def report(args, run, window, elapsed, update, batch_size):
     actor_stats = [stats for update_stats in actor_stats for stats in update_stats]
     row = {"global_step": update * batch_size, "update": update,
            "charts/SPS": len(window) * batch_size / elapsed,
-           "charts/learning_rate": annealed_lr(args, run.num_updates, update - 1),  # the last one's
+           "charts/learning_rate": annealed_lr(args, run.num_updates, update - 1),  # counts from 0
            "stats/param_lag": max(stats.lag for stats in actor_stats)}
     for name, values in zip(Losses._fields, zip(*losses)):
         row[f"losses/{name}"] = mean(values)
