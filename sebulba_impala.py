@@ -313,9 +313,12 @@ class Losses(NamedTuple):
     entropy: jax.Array
 
 def impala_loss(params, rollout, args):
-    """Summed over this learner's valid steps, as in the IMPALA paper: with RMSProp's epsilon 0.01
-    a mean's gradients (T x E times smaller) would be swamped. A psum adds the learners' sums into
-    the global batch's; a psum of local .mean()s would be L (learners) times the mean."""
+    """Summed over this learner's valid steps, as in the IMPALA paper: with RMSProp's epsilon 0.01 a
+    mean's gradients (T x E times smaller) would be swamped. A psum (in `learner_update`) adds the L
+    learners' sums and gradients into the global batch's: each learner's sum is its share.
+    A term you add must be a share too. A local .mean() is not: Anakin's pmean averages those, a
+    psum adds them (L times the mean). Nor is a term of the parameters alone (an L2 penalty): every
+    learner counts it, so add it divided by L: `loss + coef * l2 / jax.lax.psum(1, "learners")`."""
     logits, values = apply(params, rollout.obs, args.network)  # [T+1, E, A], [T+1, E]
     logp_taken = log_prob(logits[:-1], rollout.actions)  # log pi
     rhos = jnp.exp(logp_taken - log_prob(rollout.logits, rollout.actions))

@@ -298,7 +298,10 @@ class Losses(NamedTuple):
 
 def ppo_loss(params, mb, args):
     """Each term is this learner's share of the minibatch mean: its samples' sum over n, the count on
-    all learners. Their psum is the mean; a psum of local .mean()s would be L (learners) times it."""
+    all learners. A psum (in `learner_update`) adds the L learners' shares and their gradients.
+    A term you add must be a share too. A local .mean() is not: Anakin's pmean averages those, a
+    psum adds them (L times the mean). Nor is a term of the parameters alone (an L2 penalty): every
+    learner counts it, so add it divided by L: `loss + coef * l2 / jax.lax.psum(1, "learners")`."""
     logits, values = apply(params, mb.obs)
     logp = log_prob(logits, mb.actions)
     log_ratio = logp - mb.logp_prox
