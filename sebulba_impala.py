@@ -16,6 +16,11 @@ would make the version a race between threads; this way equal flags give equal p
 load. (A resumed run starts new episodes: it is not bit for bit the run it continues.)
 
 Read top to bottom: envs, network, loss, optimizer, one rollout's path (a map heads it), `main`.
+New to JAX? Read the architecture first: the map, then `actor`, `collect`, `learn`, `make_update`
+and `ParamStore`, taking the network and the loss as black boxes; then read top to bottom.
+Where to change: the network in `init_params` and `features`, the loss in `impala_loss` (whose
+docstring says how a term adds up across learners), the env in `make_envs` and the `env_*`
+functions (a gymnasium env needs no change: `--env-id mypkg:MyEnv-v0`).
 
     python sebulba_impala.py --env-id CartPole-v1
     python sebulba_impala.py --env-id Pong-v5 --actor-device-ids 0 --learner-device-ids 1 2 3
@@ -165,9 +170,14 @@ def env_reset(envs):
     return host_obs(obs, envs.env_info)
 
 # The reset step: envpool and gymnasium reset an env on the step after its episode ends; that step
-# ignores the action and returns the next episode's first observation. It is no move, so the
-# actor marks it not `valid`: the loss and game lengths leave it out. Its row holds the ended
-# episode's last observation: a truncated episode bootstraps from its value.
+# ignores the action, rewards 0 and returns the next episode's first observation x_0. It is no move,
+# so it is not `valid`. The rows around an episode whose last move returned x_end (cut: truncated):
+#   row    obs    action   reward  terminated    valid  what the loss does with the row
+#   t      x      a move   r       1 (0 if cut)  1      learns; if cut, bootstraps from V(x_end)
+#   t + 1  x_end  ignored  0       0             0      leaves it out; row t's targets stop here
+#   t + 2  x_0    a move   r'      as any row    1      learns, as from any move
+# `collect` makes a row not valid if `ended` was set the step before; `track_games` does not count
+# the reset step in a game's length. A rollout may end at row t: its x_T is then x_end.
 
 class Step(NamedTuple):  # Atari without --machado: each lost life ends an episode
     obs: np.ndarray  # [E, *obs_shape]
@@ -360,13 +370,21 @@ def init_state(key, args, env_info, num_updates):
 # 2. `collect` steps the envs on the host. jit runs `act` where its inputs (parameters, key) are, on
 #    the actor device; only the actions come to the host each step (np.asarray waits for them),
 #    the logits at the rollout's end (one device_get).
-# 3. `actor` makes the host Rollout [T, E, ...] a jax.Array over the mesh (all hosts' learners):
-#    with the sharding P(None, "learners"), make_array_from_process_local_data copies block k
-#    of axis 1, the envs, to learner k. The same thread of every host fills one array.
+# 3. `actor` makes the host Rollout [T, E, ...] one jax.Array over the mesh, all hosts' learners:
+#    thread i of every host calls make_array_from_process_local_data with its own E envs, and the
+#    calls make one array [T, hosts x E, ...] whose block k of axis 1, the envs, goes to learner k
+#    (the sharding P(None, "learners")). E.g. with 2 hosts of 2 learners and E = 4, learner k gets
+#    envs (k % 2) * 2 and (k % 2) * 2 + 1 of thread i of host k // 2.
+#    Why from the host, not from the actor device as in Cleanba: the envs put the observations (most
+#    of the bytes) on the host, what stayed on the actor device comes in one transfer, and
+#    make_array_from_process_local_data reads each host's part from host memory.
 # 4. `learn`, the main thread, takes one rollout from each thread; `make_update`'s `learner_update`
 #    runs on every learner at once (`shard_map`), each on its blocks; `psum` sums over them all.
 # 5. `ParamStore.publish` copies the new parameters to each actor device, for step 1. JAX returns
 #    before the device is done: an actor's `act` may wait for them.
+# In time, left to right ("params v": what update v made; params 0: the start's):
+#   actors:    rollout 1, params 0 | rollout 2, params 0 | rollout 3, params 1 | rollout 4, params 2
+#   learners:  wait for rollout 1  | update 1: rollout 1 | update 2: rollout 2 | update 3: rollout 3
 
 class Layout(NamedTuple):
     actor_devices: list  # this host's
@@ -556,6 +574,9 @@ def learn(args, layout, run, store, queues, state, start_update, batch_size):
             received = [q.get() for q in queues]  # each thread's rollout for this update
         with timer(timings, "learner_time"):
             state, losses = update_fn(state, [rollout for rollout, _ in received])
+            # JAX dispatches asynchronously: update_fn returns before the learners are done. publish
+            # queues the copies to the actor devices, to start the moment the update ends; the
+            # learner waits for the update only at device_get (and at a checkpoint's).
             store.publish(update, state.params)
             losses = jax.device_get(local(losses))
         window.append((losses, timings, [stats for _, stats in received]))
@@ -586,8 +607,11 @@ def make_update(args, mesh, num_updates):
         params = optax.apply_updates(state.params, changes)
         return TrainState(params, opt_state), losses
 
-    # check_vma=False: as under pmap, each learner's gradients stay its own until learner_update's
-    # psum. (With the check on, JAX would sum the replicated (P()) parameters' gradients itself.)
+    # A spec covers a whole nested argument: P() every array of the TrainState, P(None, "learners")
+    # every field of every Rollout. In out_specs, P() promises that all learners hold the same value
+    # (the psums make it so); check_vma=False leaves that unchecked. With the check on, JAX would
+    # track which values vary across learners ("varying manual axes"), hand learner_update the P()
+    # parameters' gradients already summed over the learners, and the psum would multiply them by L.
     specs = dict(in_specs=(P(), P(None, "learners")), out_specs=(P(), P()))
     return jax.jit(jax.shard_map(learner_update, mesh=mesh, **specs, check_vma=False))
 
