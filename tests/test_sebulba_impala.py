@@ -334,7 +334,8 @@ def test_episode_scores_are_unclipped_and_span_the_whole_game(impala, async_envs
     assert len(groups) == (2 if async_envs else 1)
     stats = impala.ActorStats(returns=[], lengths=[], lag=0, timings=defaultdict(float))
     rollout, _ = impala.collect(args, groups, params, states, stats)
-    replay = envpool.make(args.env_id, env_type="gymnasium", num_envs=n, seed=3, **impala.atari_kwargs(False))
+    seeds = [seed for envs in groups for seed in envs.seeds]  # the rollout's envs, group after group
+    replay = envpool.make(args.env_id, env_type="gymnasium", num_envs=n, seed=seeds, **impala.atari_kwargs(False))
     replay.reset()
     score, clipped, life_losses, games = np.zeros(n), np.zeros(n), np.zeros(n, int), []
     for t in range(steps):
