@@ -16,6 +16,11 @@ would make the version a race between threads; this way equal flags give equal p
 load. (A resumed run starts new episodes: it is not bit for bit the run it continues.)
 
 Read top to bottom: envs, network, loss, optimizer, one rollout's path (a map heads it), `main`.
+New to JAX? Read the architecture first: the map, then `actor`, `collect`, `learn`, `make_update`
+and `ParamStore`, taking the network and the loss as black boxes; then read top to bottom.
+Where to change: the network in `init_params` and `features`, the loss in `impala_loss` (whose
+docstring says how a term adds up across learners), the env in `make_envs` and the `env_*`
+functions (a gymnasium env needs no change: `--env-id mypkg:MyEnv-v0`).
 
     python sebulba_impala.py --env-id CartPole-v1
     python sebulba_impala.py --env-id Pong-v5 --actor-device-ids 0 --learner-device-ids 1 2 3
@@ -166,7 +171,8 @@ def make_envs(args, num_envs, seeds):
     env_info = describe_env(args.env_id, args.machado)
     if env_info.source == "gymnasium":
         pool = gym.make_vec(args.env_id.rpartition(":")[2], num_envs, vectorization_mode="sync")
-    else:  # the env batches' threads share this process's cores (Linux says which)
+    else:  # all batches step at once: each gets its part of the cores this process may run on,
+        # which Linux's sched_getaffinity counts (a container may allow fewer than os.cpu_count()).
         batches = len(args.actor_device_ids or [0]) * args.num_actor_threads * (1 + args.async_envs)
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
         threads = min(num_envs, max(1, cores // batches))
@@ -183,11 +189,16 @@ def env_reset(envs):
     return host_obs(obs, envs.env_info)
 
 # The reset step: envpool and gymnasium reset an env on the step after its episode ends; that step
-# ignores the action and returns the next episode's first observation. It is no move, so the
-# actor marks it not `valid`: the loss and game lengths leave it out. Its row holds the ended
-# episode's last observation: a truncated episode bootstraps from its value.
+# ignores the action, rewards 0 and returns the next episode's first observation x_0. It is no move,
+# so it is not `valid`. The rows around an episode whose last move returned x_end (cut: truncated):
+#   row    obs    action   reward  terminated    valid  what the loss does with the row
+#   t      x      a move   r       1 (0 if cut)  1      learns; if cut, bootstraps from V(x_end)
+#   t + 1  x_end  ignored  0       0             0      leaves it out; row t's targets stop here
+#   t + 2  x_0    a move   r'      as any row    1      learns, as from any move
+# `collect` makes a row not valid if `ended` was set the step before; `track_games` does not count
+# the reset step in a game's length. A rollout may end at row t: its x_T is then x_end.
 
-class Step(NamedTuple):  # Atari: each lost life ends a training episode, the last also the game
+class Step(NamedTuple):  # Atari without --machado: each lost life ends an episode
     obs: np.ndarray  # [E, *obs_shape]
     reward: np.ndarray  # [E] (Atari: clipped)
     terminated: np.ndarray  # [E] the episode ended for good: no bootstrap from obs
@@ -205,7 +216,7 @@ def env_recv(envs, actions):  # the step env_send began (gymnasium steps here)
     else:
         obs, reward, terminated, truncated, info = envs.pool.step(actions)
     score, game_over = reward, terminated | truncated
-    if envs.env_info.atari:
+    if envs.env_info.atari:  # info holds the unclipped reward and the game's own end
         score, game_over = info["reward"], info["terminated"].astype(bool) | truncated
     return Step(obs=host_obs(obs, envs.env_info), reward=reward.astype(np.float32),
                 terminated=terminated, ended=terminated | truncated, score=score, game_over=game_over)
@@ -242,7 +253,8 @@ def init_params(key, obs_shape, num_actions, network):
             for i, (c, size, stride) in enumerate(SHALLOW_CONVS):
                 torso[f"conv{i}"] = conv_init(next(keys), c_in, c, size)
                 c_in, h, w = c, (h - size) // stride + 1, (w - size) // stride + 1
-        torso["dense"], hidden = dense_init(next(keys), h * w * c_in, 256, np.sqrt(2)), 256
+        hidden = 256
+        torso["dense"] = dense_init(next(keys), h * w * c_in, hidden, np.sqrt(2))
     return {"torso": torso, "policy": dense_init(next(keys), hidden, num_actions, 0.01),
             "value": dense_init(next(keys), hidden, 1, 1.0)}
 
@@ -258,16 +270,19 @@ def image_input(obs):  # [N, C, H, W] -> [N, H, W, C] float, uint8 scaled to [0,
     return x / 255.0 if obs.dtype == jnp.uint8 else x
 
 def features(p, obs, network):  # obs [N, *obs_shape] -> policy, value features [N, 256 or 64]
-    if network == "mlp":
-        return [jnp.tanh(dense(p[f"{h}1"], jnp.tanh(dense(p[f"{h}0"], obs)))) for h in ("policy", "value")]
+    if network == "mlp":  # two MLPs of two layers, one for each head
+        policy = jnp.tanh(dense(p["policy1"], jnp.tanh(dense(p["policy0"], obs))))
+        value = jnp.tanh(dense(p["value1"], jnp.tanh(dense(p["value0"], obs))))
+        return policy, value
     x = image_input(obs)
     if network == "deep":
         for i in range(len(IMPALA_CHANNELS)):
             stack = p[f"stack{i}"]
             x = conv(stack["conv"], x)
             x = jax.lax.reduce_window(x, -jnp.inf, jax.lax.max, (1, 3, 3, 1), (1, 2, 2, 1), "SAME")  # max-pool
-            for block in (stack["block0"], stack["block1"]):
-                x = x + conv(block["conv1"], jax.nn.relu(conv(block["conv0"], jax.nn.relu(x))))
+            for block in (stack["block0"], stack["block1"]):  # residual: x + two convs of x
+                y = conv(block["conv0"], jax.nn.relu(x))
+                x = x + conv(block["conv1"], jax.nn.relu(y))
         x = jax.nn.relu(x)
     else:
         for i, (_, _, stride) in enumerate(SHALLOW_CONVS):
@@ -277,7 +292,9 @@ def features(p, obs, network):  # obs [N, *obs_shape] -> policy, value features 
 
 def apply(params, obs, network):
     """obs [..., *obs_shape] -> (policy logits [..., A], value [...])."""
-    batch_shape = obs.shape[: obs.ndim - (1 if network == "mlp" else 3)]
+    # The layers take one batch axis: merge the leading ([E] or [T + 1, E]), split them at the end.
+    one_obs_ndim = 1 if network == "mlp" else 3  # [D] or [C, H, W]
+    batch_shape = obs.shape[:obs.ndim - one_obs_ndim]
     obs = obs.reshape(-1, *obs.shape[len(batch_shape):])
     policy_h, value_h = features(params["torso"], obs, network)
     logits, value = dense(params["policy"], policy_h), dense(params["value"], value_h)[:, 0]
@@ -325,9 +342,12 @@ class Losses(NamedTuple):
     entropy: jax.Array
 
 def impala_loss(params, rollout, args):
-    """Summed over this learner's valid steps, as in the IMPALA paper: with RMSProp's epsilon 0.01
-    a mean's gradients (T x E times smaller) would be swamped. A psum adds the learners' sums into
-    the global batch's; a psum of local .mean()s would be L (learners) times the mean."""
+    """Summed over this learner's valid steps, as in the IMPALA paper: with RMSProp's epsilon 0.01 a
+    mean's gradients (T x E times smaller) would be swamped. A psum (in `learner_update`) adds the L
+    learners' sums and gradients into the global batch's: each learner's sum is its share.
+    A term you add must be a share too. A local .mean() is not: Anakin's pmean averages those, a
+    psum adds them (L times the mean). Nor is a term of the parameters alone (an L2 penalty): every
+    learner counts it, so add it divided by L: `loss + coef * l2 / jax.lax.psum(1, "learners")`."""
     logits, values = apply(params, rollout.obs, args.network)  # [T+1, E, A], [T+1, E]
     logp_taken = log_prob(logits[:-1], rollout.actions)  # log pi
     rhos = jnp.exp(logp_taken - log_prob(rollout.logits, rollout.actions))
@@ -369,13 +389,21 @@ def init_state(key, args, env_info, num_updates):
 # 2. `collect` steps the envs on the host. jit runs `act` where its inputs (parameters, key) are, on
 #    the actor device; only the actions come to the host each step (np.asarray waits for them),
 #    the logits at the rollout's end (one device_get).
-# 3. `actor` makes the host Rollout [T, E, ...] a jax.Array over the mesh (all hosts' learners):
-#    with the sharding P(None, "learners"), make_array_from_process_local_data copies block k
-#    of axis 1, the envs, to learner k. The same thread of every host fills one array.
+# 3. `actor` makes the host Rollout [T, E, ...] one jax.Array over the mesh, all hosts' learners:
+#    thread i of every host calls make_array_from_process_local_data with its own E envs, and the
+#    calls make one array [T, hosts x E, ...] whose block k of axis 1, the envs, goes to learner k
+#    (the sharding P(None, "learners")). E.g. with 2 hosts of 2 learners and E = 4, learner k gets
+#    envs (k % 2) * 2 and (k % 2) * 2 + 1 of thread i of host k // 2.
+#    Why from the host, not from the actor device as in Cleanba: the envs put the observations (most
+#    of the bytes) on the host, what stayed on the actor device comes in one transfer, and
+#    make_array_from_process_local_data reads each host's part from host memory.
 # 4. `learn`, the main thread, takes one rollout from each thread; `make_update`'s `learner_update`
 #    runs on every learner at once (`shard_map`), each on its blocks; `psum` sums over them all.
 # 5. `ParamStore.publish` copies the new parameters to each actor device, for step 1. JAX returns
 #    before the device is done: an actor's `act` may wait for them.
+# In time, left to right ("params v": what update v made; params 0: the start's):
+#   actors:    rollout 1, params 0 | rollout 2, params 0 | rollout 3, params 1 | rollout 4, params 2
+#   learners:  wait for rollout 1  | update 1: rollout 1 | update 2: rollout 2 | update 3: rollout 3
 
 class Layout(NamedTuple):
     actor_devices: list  # this host's
@@ -464,7 +492,7 @@ class ParamStore:
         params = {d: jax.device_put(local(params), d) for d in self.devices}
         with self.cond:
             self.versions[version] = params
-            self.versions.pop(version - 2, None)  # the learners have learned from its last rollout
+            self.versions.pop(version - 2, None)  # rollouts to come act with version - 1 or newer
             self.cond.notify_all()
 
     def wait(self, version, device):
@@ -473,7 +501,8 @@ class ParamStore:
             return self.versions[version][device]
 
 def start_actors(args, layout, store, start_update, num_updates):
-    """This host's actor threads, each with a one-rollout queue where a thread ahead waits."""
+    """This host's actor threads, each handing its rollouts to `learn` through a queue of one: a
+    thread whose last rollout the learner has not taken yet waits."""
     def crash(hook):  # a raise ends the run, or the learner would wait forever
         traceback.print_exception(hook.exc_value)
         os._exit(1)
@@ -519,7 +548,8 @@ def start_groups(args, index, device, start_update):
 
 def collect(args, groups, params, states, stats):
     """--num-steps steps of each env group, in num_steps + 1 passes. Pass t, for each group:
-        receive step t - 1 (its row is then whole), act on the actor device, send step t.
+        receive step t - 1, act on the actor device, send step t.
+    Row t - 1 is whole in pass t: its obs and action went out in pass t - 1, its reward comes now.
     The last pass only receives. With --async-envs envpool steps one half while the policy acts."""
     stored, sent = [[] for _ in groups], [None] * len(groups)  # per group: its rows; the step sent
     for t in range(args.num_steps + 1):
@@ -538,11 +568,10 @@ def collect(args, groups, params, states, stats):
                 sent[g] = dict(obs=state.obs, actions=actions, logits=logits)
                 state = state._replace(key=key)
             states[g] = state
-    # One transfer fetches what stayed on the actor device; steps stack along time, groups along
-    # the envs.
+    # One transfer fetches what stayed on the actor device; each group's rows stack along time.
     stored = jax.device_get(stored)
-    rollout = {k: np.concatenate([np.stack([s[k] for s in steps]) for steps in stored], axis=1)
-               for k in stored[0][0]}
+    per_group = [{k: np.stack([row[k] for row in rows]) for k in rows[0]} for rows in stored]
+    rollout = {k: np.concatenate([group[k] for group in per_group], axis=1) for k in per_group[0]}
     last_obs = np.concatenate([state.obs for state in states])  # x_T
     rollout["obs"] = np.concatenate([rollout["obs"], last_obs[None]])
     return Rollout(**rollout), states
@@ -568,6 +597,9 @@ def learn(args, layout, run, store, queues, state, start_update, batch_size):
             received = [q.get() for q in queues]  # each thread's rollout for this update
         with timer(timings, "learner_time"):
             state, losses = update_fn(state, [rollout for rollout, _ in received])
+            # JAX dispatches asynchronously: update_fn returns before the learners are done. publish
+            # queues the copies to the actor devices, to start the moment the update ends; the
+            # learner waits for the update only at device_get (and at a checkpoint's).
             store.publish(update, state.params)
             losses = jax.device_get(local(losses))
         window.append((losses, timings, [stats for _, stats in received]))
@@ -598,8 +630,11 @@ def make_update(args, mesh, num_updates):
         params = optax.apply_updates(state.params, changes)
         return TrainState(params, opt_state), losses
 
-    # check_vma=False: as under pmap, each learner's gradients stay its own until learner_update's
-    # psum. (With the check on, JAX would sum the replicated (P()) parameters' gradients itself.)
+    # A spec covers a whole nested argument: P() every array of the TrainState, P(None, "learners")
+    # every field of every Rollout. In out_specs, P() promises that all learners hold the same value
+    # (the psums make it so); check_vma=False leaves that unchecked. With the check on, JAX would
+    # track which values vary across learners ("varying manual axes"), hand learner_update the P()
+    # parameters' gradients already summed over the learners, and the psum would multiply them by L.
     specs = dict(in_specs=(P(), P(None, "learners")), out_specs=(P(), P()))
     return jax.jit(jax.shard_map(learner_update, mesh=mesh, **specs, check_vma=False))
 
@@ -613,7 +648,7 @@ def report(args, run, window, elapsed, update, batch_size):
     actor_stats = [stats for update_stats in actor_stats for stats in update_stats]
     row = {"global_step": update * batch_size, "update": update,
            "charts/SPS": len(window) * batch_size / elapsed,
-           "charts/learning_rate": annealed_lr(args, run.num_updates, update - 1),  # the last one's
+           "charts/learning_rate": annealed_lr(args, run.num_updates, update - 1),  # counts from 0
            "stats/param_lag": max(stats.lag for stats in actor_stats)}
     for name, values in zip(Losses._fields, zip(*losses)):
         row[f"losses/{name}"] = mean(values)

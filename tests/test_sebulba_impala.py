@@ -219,6 +219,10 @@ def test_uint8_frames_are_scaled_and_other_images_enter_as_they_are(impala):
 
 
 # The same update on 1 learner device and on 2, from 2 threads' rollouts: the loss is a sum over the global batch.
+# Each term named on the command line is tried: "none" is impala_loss as it is; "l2" adds an L2 penalty as its
+# docstring says a term of the parameters alone must be added (divided by the learner count); "l2-naive" adds it
+# as it is. It prints, for each: how far one learner moved the parameters, and the gaps of two learners' update
+# and losses from one learner's.
 SAME_UPDATE = f'''
 import sys
 import numpy as np
@@ -238,27 +242,53 @@ batch = impala.Rollout(rng.normal(size=(T + 1, B, 6)).astype(np.float32), rng.in
                        (rng.random((T, B)) < 0.2).astype(np.float32), valid)
 state = impala.init_state(jax.random.PRNGKey(0), args, impala.EnvInfo((6,), A, "gymnasium", False), 10)
 params = state.params
-outs = []
-for n in (1, 2):
-    mesh = Mesh(np.array(jax.devices()[:n]), ("learners",))
-    # Two actor threads' rollouts of 2 envs each: each learner joins its block of both.
-    threads = [jax.tree.map(lambda x: x[:, half], batch) for half in (slice(0, 2), slice(2, 4))]
-    placed = jax.device_put(threads, NamedSharding(mesh, P(None, "learners")))
-    new, info = impala.make_update(args, mesh, 10)(jax.device_put(state, NamedSharding(mesh, P())), placed)
-    outs.append((jax.tree.leaves(jax.device_get(new.params)), np.asarray(jax.device_get(info))))
-moved = max(float(np.abs(a - b).max()) for a, b in zip(outs[0][0], jax.tree.leaves(params)))
-gap = max(float(np.abs(a - b).max()) for a, b in zip(outs[0][0], outs[1][0]))
-print("moved", moved, "gap", gap, "info_gap", float(np.abs(outs[0][1] - outs[1][1]).max()))
+impala_loss = impala.impala_loss
+
+def with_l2(naive):
+    def loss_fn(params, rollout, args):  # impala_loss, then the L2 term a student adds at its end
+        loss, losses = impala_loss(params, rollout, args)
+        l2 = sum((w ** 2).sum() for w in jax.tree.leaves(params))
+        return loss + 0.5 * l2 / (1 if naive else jax.lax.psum(1, "learners")), losses
+    return loss_fn
+
+for term in sys.argv[1:] or ["none"]:
+    impala.impala_loss = {{"none": impala_loss, "l2": with_l2(False), "l2-naive": with_l2(True)}}[term]
+    outs = []
+    for n in (1, 2):
+        mesh = Mesh(np.array(jax.devices()[:n]), ("learners",))
+        # Two actor threads' rollouts of 2 envs each: each learner joins its block of both.
+        threads = [jax.tree.map(lambda x: x[:, half], batch) for half in (slice(0, 2), slice(2, 4))]
+        placed = jax.device_put(threads, NamedSharding(mesh, P(None, "learners")))
+        new, info = impala.make_update(args, mesh, 10)(jax.device_put(state, NamedSharding(mesh, P())), placed)
+        outs.append((jax.tree.leaves(jax.device_get(new.params)), np.asarray(jax.device_get(info))))
+    moved = max(float(np.abs(a - b).max()) for a, b in zip(outs[0][0], jax.tree.leaves(params)))
+    gap = max(float(np.abs(a - b).max()) for a, b in zip(outs[0][0], outs[1][0]))
+    print("term", term, "moved", moved, "gap", gap, "info_gap", float(np.abs(outs[0][1] - outs[1][1]).max()))
 '''
 
 
-def test_an_update_is_the_same_on_one_or_two_learner_devices(tmp_path):
+def same_update(tmp_path, *terms):
+    """{term: (moved, gap, info_gap)} from SAME_UPDATE on 2 fake devices."""
     (tmp_path / "same_update.py").write_text(SAME_UPDATE)
-    result = run(tmp_path / "same_update.py", [], tmp_path, devices=2, run_dir=False, timeout=300)
+    result = run(tmp_path / "same_update.py", terms, tmp_path, devices=2, run_dir=False, timeout=300)
     assert result.returncode == 0, result.output[-3000:]
-    values = result.output.split()
-    moved, gap, info_gap = (float(values[values.index(name) + 1]) for name in ("moved", "gap", "info_gap"))
+    rows = [line.split() for line in result.output.splitlines() if line.startswith("term ")]
+    return {row[1]: tuple(float(row[row.index(name) + 1]) for name in ("moved", "gap", "info_gap")) for row in rows}
+
+
+def test_an_update_is_the_same_on_one_or_two_learner_devices(tmp_path):
+    moved, gap, info_gap = same_update(tmp_path)["none"]
     assert moved > 1e-4 and gap < 1e-6 * max(moved, 1.0) + 1e-7 and info_gap < 1e-5
+
+
+def test_a_parameter_only_loss_term_added_as_impala_loss_says_gives_the_same_update_on_two_learners(tmp_path):
+    """An L2 penalty divided by the learner count (jax.lax.psum(1, "learners")), as impala_loss's docstring says,
+    gives two learners one learner's update; added as it is, each learner counts it and the update differs."""
+    results = same_update(tmp_path, "l2", "l2-naive")
+    moved, gap, info_gap = results["l2"]
+    assert moved > 1e-4 and gap < 1e-6 * max(moved, 1.0) + 1e-7 and info_gap < 1e-5
+    naive_moved, naive_gap, _ = results["l2-naive"]
+    assert naive_gap > 1e-3 * naive_moved, results  # the naive term is counted twice: this test would catch it
 
 
 def test_rmsprop_adds_epsilon_outside_the_root_as_torchbeast_and_cleanba_do(impala):
@@ -304,7 +334,8 @@ def test_episode_scores_are_unclipped_and_span_the_whole_game(impala, async_envs
     assert len(groups) == (2 if async_envs else 1)
     stats = impala.ActorStats(returns=[], lengths=[], lag=0, timings=defaultdict(float))
     rollout, _ = impala.collect(args, groups, params, states, stats)
-    replay = envpool.make(args.env_id, env_type="gymnasium", num_envs=n, seed=3, **impala.atari_kwargs(False))
+    seeds = [seed for envs in groups for seed in envs.seeds]  # the rollout's envs, group after group
+    replay = envpool.make(args.env_id, env_type="gymnasium", num_envs=n, seed=seeds, **impala.atari_kwargs(False))
     replay.reset()
     score, clipped, life_losses, games = np.zeros(n), np.zeros(n), np.zeros(n, int), []
     for t in range(steps):
