@@ -21,6 +21,9 @@ and `ParamStore`, taking the network and the loss as black boxes; then read top 
 Where to change: the network in `init_params` and `features`, the loss in `impala_loss` (whose
 docstring says how a term adds up across learners), the env in `make_envs` and the `env_*`
 functions (a gymnasium env needs no change: `--env-id mypkg:MyEnv-v0`).
+In PyTorch terms: `shard_map` runs the update on every learner at once, each on its share of the
+data, as DDP runs a process per GPU; `psum` over "learners" is DDP's all_reduce of the sum; a
+`jax.Array` may span devices, and its sharding (a PartitionSpec, `P`) says which part each holds.
 
     python sebulba_impala.py --env-id CartPole-v1
     python sebulba_impala.py --env-id Pong-v5 --actor-device-ids 0 --learner-device-ids 1 2 3
@@ -666,7 +669,7 @@ def check_args(args):
     image = len(env_info.obs_shape) == 3
     family = DEFAULTS["image" if image else "vector"]
     args = dataclasses.replace(args, **{k: v for k, v in family.items() if getattr(args, k) is None})
-    if (args.network == "mlp") == image:
+    if (args.network == "mlp") == image:  # the CNNs take images, the MLP vectors
         fail(f"--network {args.network} does not fit {env_info.obs_shape}: mlp takes vectors")
     # Its "VALID" convs (8x8 stride 4, then 4x4 stride 2) leave no pixel below 20x20.
     if args.network == "shallow" and min(env_info.obs_shape[1:]) < 20:

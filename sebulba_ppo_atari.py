@@ -22,6 +22,9 @@ and `ParamStore`, taking the network and the loss as black boxes; then read top 
 Where to change: the network in `init_params` and `apply`, the loss in `ppo_loss` (whose
 docstring says how a term adds up across learners), the env in `make_envs` and the `env_*`
 functions (a gymnasium env needs no change: `--env-id mypkg:MyEnv-v0`).
+In PyTorch terms: `shard_map` runs the update on every learner at once, each on its share of the
+data, as DDP runs a process per GPU; `psum` over "learners" is DDP's all_reduce of the sum; a
+`jax.Array` may span devices, and its sharding (a PartitionSpec, `P`) says which part each holds.
 
     python sebulba_ppo_atari.py --env-id Breakout-v5
     python sebulba_ppo_atari.py --env-id Pong-v5 --actor-device-ids 0 --learner-device-ids 1 2 3
