@@ -288,9 +288,9 @@ def make_train(args, mesh):
     # process per GPU, and joins the devices' results into the outputs (out_specs). In out_specs, P()
     # promises that every device holds the same value (the params, kept equal by the pmean, and the
     # psum'ed stats), so JAX returns device 0's copy; check_vma=False leaves the promise unchecked.
-    # "vma" stands for varying manual axes: with the check on, JAX tracks over which mesh axes each
-    # value may vary, would see that the params (P()) do not, and would sum their gradient over the
-    # devices itself, so `update`'s pmean would return N times the mean. Off, gradients stay per device.
+    # It is off because with it on JAX would already sum the params' gradients over the devices, and
+    # `update`'s pmean would give N times the mean. ("vma": varying manual axes, the mesh axes over
+    # which JAX tracks that a value may differ between devices.)
     sharded = jax.shard_map(train, mesh=mesh, in_specs=(STATE_SPECS, P()), out_specs=(STATE_SPECS, P()),
                             check_vma=False)
     # donate_argnums=0 lets XLA reuse the old state's memory for the new: the caller never reads it.

@@ -346,8 +346,9 @@ class Losses(NamedTuple):
 
 def normalize(advantages):
     """Normalise over the minibatch's rows on all devices, so that N devices of E envs run the
-    algorithm of one device of N x E envs. Under the vmap over seeds, psum(x, "devices") sums x over
-    the devices for each seed apart."""
+    algorithm of one device of N x E envs. "devices" is the mesh axis (`pick_devices`) that
+    `make_train`'s shard_map binds, so psum over it runs only inside that call; under the vmap over
+    seeds, psum(x, "devices") sums x over the devices for each seed apart."""
     n = jax.lax.psum(jnp.float32(advantages.size), "devices")
     mean = jax.lax.psum(advantages.sum(), "devices") / n
     var = jax.lax.psum(((advantages - mean) ** 2).sum(), "devices") / n
@@ -528,10 +529,9 @@ def make_train(args, env, mesh, num_updates):
     # values over the devices, never across seeds. In out_specs, P() is a promise that every device
     # holds the same value (the params, kept equal by the pmean, and the stats, reduced over
     # devices), so JAX returns device 0's copy; with check_vma=False, nothing checks the promise.
-    # "vma" stands for varying manual axes: with the check on, JAX tracks over which mesh axes each
-    # value may vary between devices. It would see that the params (P()) do not vary and sum their
-    # gradient over the devices itself, so the pmean in `gradient_steps` would return N times the
-    # mean. With it off, each device's gradient is its own envs' until that pmean averages them.
+    # It is off because with it on JAX would already sum the params' gradients over the devices, and
+    # the pmean in `gradient_steps` would give N times the mean. ("vma": varying manual axes, the
+    # mesh axes over which JAX tracks that a value may differ between devices.)
     sharded = jax.shard_map(jax.vmap(train, in_axes=(0, None)), mesh=mesh, in_specs=(STATE_SPECS, P()),
                             out_specs=(STATE_SPECS, P()), check_vma=False)
     # On the CPU, LLVM's -O1 compiles this program 2-3x faster than its default -O2; it runs as fast.
