@@ -22,8 +22,8 @@ Where to change: the network in `init_params` and `features`, the loss in `impal
 docstring says how a term adds up across learners), the env in `make_envs` and the `env_*`
 functions (a gymnasium env needs no change: `--env-id mypkg:MyEnv-v0`).
 In PyTorch terms: `shard_map` runs the update on every learner at once, each on its share of the
-data, as DDP runs a process per GPU; `psum` over "learners" is DDP's all_reduce of the sum; a
-`jax.Array` may span devices, and its sharding (a PartitionSpec, `P`) says which part each holds.
+data, as DDP runs a process per GPU; `psum` over "learners" is all_reduce with SUM (not DDP's mean:
+each learner's loss is its share of the global loss); `P` says which part of an array each holds.
 
     python sebulba_impala.py --env-id CartPole-v1
     python sebulba_impala.py --env-id Pong-v5 --actor-device-ids 0 --learner-device-ids 1 2 3
@@ -99,7 +99,7 @@ class Args:
     learner_device_ids: Annotated[list[int] | None, default_is("others, or 0")] = None  # local devices that learn
     num_actor_threads: int = 2  # per actor device: one steps envs while another acts
     local_num_envs: int = 16  # envs per actor thread
-    async_envs: bool = False  # step half the envs while acting for the other half
+    async_envs: bool = False  # envpool: step half the envs while acting for the other half
     num_steps: Annotated[int | None, by_obs("num_steps")] = None  # rollout length per env
     gamma: float = 0.99  # discount
     vtrace_lambda: float = 1.0  # V-trace's lambda: c_t = lambda * min(1, pi/mu)
@@ -345,12 +345,14 @@ class Losses(NamedTuple):
     entropy: jax.Array
 
 def impala_loss(params, rollout, args):
-    """Summed over this learner's valid steps, as in the IMPALA paper: with RMSProp's epsilon 0.01 a
-    mean's gradients (T x E times smaller) would be swamped. A psum (in `learner_update`) adds the L
-    learners' sums and gradients into the global batch's: each learner's sum is its share.
+    """Summed over this learner's valid steps, as in the IMPALA paper (a coefficient weighs against
+    a sum): with RMSProp's epsilon 0.01 a mean's gradients (T x E times smaller) would be swamped.
+    A psum (in `learner_update`) adds the L learners' sums and gradients into the global batch's:
+    each learner's sum is its share.
     A term you add must be a share too. A local .mean() is not: Anakin's pmean averages those, a
     psum adds them (L times the mean). Nor is a term of the parameters alone (an L2 penalty): every
-    learner counts it, so add it divided by L: `loss + coef * l2 / jax.lax.psum(1, "learners")`."""
+    learner counts it, so divide it by L (psum(1) counts the learners): `loss = loss + coef *
+    sum(jnp.sum(w ** 2) for w in jax.tree.leaves(params)) / jax.lax.psum(1, "learners")`."""
     logits, values = apply(params, rollout.obs, args.network)  # [T+1, E, A], [T+1, E]
     logp_taken = log_prob(logits[:-1], rollout.actions)  # log pi
     rhos = jnp.exp(logp_taken - log_prob(rollout.logits, rollout.actions))
@@ -495,7 +497,7 @@ class ParamStore:
         params = {d: jax.device_put(local(params), d) for d in self.devices}
         with self.cond:
             self.versions[version] = params
-            self.versions.pop(version - 2, None)  # rollouts to come act with version - 1 or newer
+            self.versions.pop(version - 2, None)  # rollouts to come act with version - 1 or newer (`actor`)
             self.cond.notify_all()
 
     def wait(self, version, device):
@@ -566,7 +568,7 @@ def collect(args, groups, params, states, stats):
             if t < args.num_steps:
                 with timer(stats.timings, "inference_time"):
                     actions, logits, key = act(params, state.obs, state.key, args.network)
-                    actions = np.asarray(actions)  # the logits stay on the device
+                    actions = np.asarray(actions)  # to the host; the logits stay on the device
                 env_send(envs, actions)
                 sent[g] = dict(obs=state.obs, actions=actions, logits=logits)
                 state = state._replace(key=key)

@@ -23,8 +23,8 @@ Where to change: the network in `init_params` and `apply`, the loss in `ppo_loss
 docstring says how a term adds up across learners), the env in `make_envs` and the `env_*`
 functions (a gymnasium env needs no change: `--env-id mypkg:MyEnv-v0`).
 In PyTorch terms: `shard_map` runs the update on every learner at once, each on its share of the
-data, as DDP runs a process per GPU; `psum` over "learners" is DDP's all_reduce of the sum; a
-`jax.Array` may span devices, and its sharding (a PartitionSpec, `P`) says which part each holds.
+data, as DDP runs a process per GPU; `psum` over "learners" is all_reduce with SUM (not DDP's mean:
+each learner's loss is its share of the global loss); `P` says which part of an array each holds.
 
     python sebulba_ppo_atari.py --env-id Breakout-v5
     python sebulba_ppo_atari.py --env-id Pong-v5 --actor-device-ids 0 --learner-device-ids 1 2 3
@@ -86,7 +86,7 @@ class Args:
     learner_device_ids: Annotated[list[int] | None, default_is("others, or 0")] = None  # local devices that learn
     num_actor_threads: int = 2  # per actor device: one steps envs while another acts
     local_num_envs: int = 16  # envs per actor thread
-    async_envs: bool = False  # step half the envs while acting for the other half
+    async_envs: bool = False  # envpool: step half the envs while acting for the other half
     num_steps: int = 128  # rollout length per env
     gamma: float = 0.99  # discount
     gae_lambda: float = 0.95  # GAE's lambda
@@ -331,7 +331,8 @@ def ppo_loss(params, mb, args):
     all learners. A psum (in `learner_update`) adds the L learners' shares and their gradients.
     A term you add must be a share too. A local .mean() is not: Anakin's pmean averages those, a
     psum adds them (L times the mean). Nor is a term of the parameters alone (an L2 penalty): every
-    learner counts it, so add it divided by L: `loss + coef * l2 / jax.lax.psum(1, "learners")`."""
+    learner counts it, so divide it by L (psum(1) counts the learners): `loss = loss + coef *
+    sum(jnp.sum(w ** 2) for w in jax.tree.leaves(params)) / jax.lax.psum(1, "learners")`."""
     logits, values = apply(params, mb.obs)
     logp = log_prob(logits, mb.actions)
     log_ratio = logp - mb.logp_prox
@@ -489,7 +490,7 @@ class ParamStore:
         params = {d: jax.device_put(local(params), d) for d in self.devices}
         with self.cond:
             self.versions[version] = params
-            self.versions.pop(version - 2, None)  # rollouts to come act with version - 1 or newer
+            self.versions.pop(version - 2, None)  # rollouts to come act with version - 1 or newer (`actor`)
             self.cond.notify_all()
 
     def wait(self, version, device):
