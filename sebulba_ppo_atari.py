@@ -10,11 +10,8 @@ al. 2017) for Atari.
                                   a queue of one rollout)    GAE, PPO's epochs, grads summed
                                <-------------------------  publish: new params to actors
 
-The actors act one update behind: the rollout for update u uses update u - 2's parameters exactly
-(the first rollout the start's; --no-policy-lag: u - 1, and the actors wait for each update), while
-the learners make update u - 1. Taking the newest instead would make the version a race between
-threads; this way equal flags give equal parameters on any load. (A resumed run starts new
-episodes: it is not bit for bit the run it continues.)
+The actors act exactly one update behind (the timeline below the map), so that equal flags give
+equal parameters on any load; a resumed run starts new episodes, so it is not the run it continues.
 
 Read top to bottom: envs, network, loss, optimizer, one rollout's path (a map heads it), `main`.
 New to JAX? Read the architecture first: the map, then `actor`, `collect`, `learn`, `make_update`
@@ -380,7 +377,8 @@ def init_state(key, args, env_info, num_updates):
 # ---- One rollout's path, device placements included, as its data flows
 # 1. `actor`, a host thread, takes the parameters of update u - 2 for the rollout of update u
 #    (`ParamStore.wait`), on its actor device, as the learners make update u - 1 meanwhile: one
-#    update behind (stats/param_lag); decoupled PPO corrects it. Exactly u - 2, never the newest.
+#    update behind (stats/param_lag); decoupled PPO corrects it. Exactly u - 2: with the newest, the
+#    version would be a race between threads, and equal flags could give other parameters.
 # 2. `collect` steps the envs on the host. jit runs `act` where its inputs (parameters, key) are, on
 #    the actor device; only the actions come to the host each step (np.asarray waits for them),
 #    the log-probs and values at the rollout's end (one device_get).
@@ -390,10 +388,11 @@ def init_state(key, args, env_info, num_updates):
 #    (the sharding P(None, "learners")). E.g. with 2 hosts of 2 learners and E = 4, learner k gets
 #    envs (k % 2) * 2 and (k % 2) * 2 + 1 of thread i of host k // 2.
 #    Why from the host, not from the actor device as in Cleanba: the envs put the observations (most
-#    of the bytes) on the host, what stayed on the actor device comes in one transfer, and
-#    make_array_from_process_local_data reads each host's part from host memory.
+#    of the bytes) on the host already, and what stayed on the actor device comes in one transfer.
 # 4. `learn`, the main thread, takes one rollout from each thread; `make_update`'s `learner_update`
 #    runs on every learner at once (`shard_map`), each on its blocks; `psum` sums over them all.
+#    At the defaults, one host and one learner: each thread's obs [T + 1, E, ...] is [129, 16, 4,
+#    84, 84], the learner joins [129, 32, ...], flattens 4,096 samples and takes minibatches of 1,024.
 # 5. `ParamStore.publish` copies the new parameters to each actor device, for step 1. JAX returns
 #    before the device is done: an actor's `act` may wait for them.
 # In time, left to right ("params v": what update v made; params 0: the start's):
