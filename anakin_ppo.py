@@ -20,6 +20,7 @@ The envs are in JAX, so rollouts and PPO's epochs are one XLA program:
 In PyTorch terms: `vmap` runs a function written for one env (or agent) on a batch of them;
 `shard_map` runs one on every device with its share of the data, as DDP runs a process per GPU;
 `pmean` and `psum` over "devices" are DDP's all_reduce (a mean, a sum).
+A pytree is any nesting of tuples, lists, dicts and NamedTuples of arrays: JAX acts on its leaves.
 
 Reading order:
 1. `Env`, `env_step`: a JAX env, its time limit, auto-reset and `final_obs`.

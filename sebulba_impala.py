@@ -22,6 +22,7 @@ functions (a gymnasium env needs no change: `--env-id mypkg:MyEnv-v0`).
 In PyTorch terms: `shard_map` runs the update on every learner at once, each on its share of the
 data, as DDP runs a process per GPU; `psum` over "learners" is all_reduce with SUM (not DDP's mean:
 each learner's loss is its share of the global loss); `P` says which part of an array each holds.
+A pytree is any nesting of tuples, lists, dicts and NamedTuples of arrays: JAX acts on its leaves.
 
     python sebulba_impala.py --env-id CartPole-v1
     python sebulba_impala.py --env-id Pong-v5 --actor-device-ids 0 --learner-device-ids 1 2 3
@@ -451,7 +452,6 @@ def initial_state(args, env_info, layout, num_updates, batch_size):
 def local(tree):  # this host's copy of a replicated global array
     return jax.tree.map(lambda x: x.addressable_data(0), tree)
 
-# jit compiles `act` once per input shape.
 @partial(jax.jit, static_argnames="network")  # `network` picks code: each value compiles anew
 def act(params, obs, key, network):
     key, sub = jax.random.split(key)
