@@ -10,12 +10,12 @@ al. 2017) for Atari.
                                   a queue of one rollout)    GAE, PPO's epochs, grads summed
                                <-------------------------  publish: new params to actors
 
-The actors act exactly one update behind (the timeline below the map), so that equal flags give
-equal parameters on any load; a resumed run starts new episodes, so it is not the run it continues.
+The actors act exactly one update behind (see the timeline that ends the rollout's map), so equal
+flags give equal parameters however busy the machine (not a resumed run: it starts new episodes).
 
-Read top to bottom: envs, network, loss, optimizer, one rollout's path (a map heads it), `main`.
-New to JAX? Read the architecture first: the map, then `actor`, `collect`, `learn`, `make_update`
-and `ParamStore`, taking the network and the loss as black boxes; then read top to bottom.
+Sections: envs, network, loss, optimizer, one rollout's path (a map heads it), `main`; a first read
+may skip main's checks and the plumbing appendix. New to JAX? Read the map first, then `actor`,
+`collect`, `learn`, `make_update` and `ParamStore`, with the network and the loss as black boxes.
 Where to change: the network in `init_params` and `apply`, the loss in `ppo_loss` (whose
 docstring says how a term adds up across learners), the env in `make_envs` and the `env_*`
 functions (a gymnasium env needs no change: `--env-id mypkg:MyEnv-v0`).
@@ -186,13 +186,13 @@ def env_reset(envs):
 # `collect` makes a row not valid if `ended` was set the step before; `track_games` does not count
 # the reset step in a game's length. A rollout may end at row t: its x_T is then x_end.
 
-class Step(NamedTuple):  # Atari without --machado: each lost life ends an episode
+class Step(NamedTuple):  # what one step of E envs returns
     obs: np.ndarray  # [E, *obs_shape]
     reward: np.ndarray  # [E] (Atari: clipped)
     terminated: np.ndarray  # [E] the episode ended for good: no bootstrap from obs
     ended: np.ndarray  # [E] terminated or truncated: the next step is a reset step
     score: np.ndarray  # [E] (Atari: unclipped)
-    game_over: np.ndarray  # [E] the game ended or was cut
+    game_over: np.ndarray  # [E] the game ended or was cut (Atari: not at each lost life)
 
 def env_send(envs, actions):  # envpool steps them in its threads
     if envs.env_info.source == "envpool":
@@ -327,10 +327,9 @@ class Losses(NamedTuple):
 def ppo_loss(params, mb, args):
     """Each term is this learner's share of the minibatch mean: its samples' sum over n, the count on
     all learners. A psum (in `learner_update`) adds the L learners' shares and their gradients.
-    A term you add must be a share too. A local .mean() is not: Anakin's pmean averages those, a
-    psum adds them (L times the mean). Nor is a term of the parameters alone (an L2 penalty): every
-    learner counts it, so divide it by L (psum(1) counts the learners): `loss = loss + coef *
-    sum(jnp.sum(w ** 2) for w in jax.tree.leaves(params)) / jax.lax.psum(1, "learners")`."""
+    A term you add must be a share too. Not a .mean() of this learner's steps: the psum adds L
+    means. A term of the parameters alone (an L2 penalty) every learner counts, so divide it by L:
+    `loss += coef * sum(jnp.sum(w ** 2) for w in jax.tree.leaves(params)) / jax.lax.psum(1, "learners")`."""
     logits, values = apply(params, mb.obs)
     logp = log_prob(logits, mb.actions)
     log_ratio = logp - mb.logp_prox
@@ -386,10 +385,8 @@ def init_state(key, args, env_info, num_updates):
 # 3. `actor` makes the host Rollout [T, E, ...] one jax.Array over the mesh, all hosts' learners:
 #    thread i of every host calls make_array_from_process_local_data with its own E envs, and the
 #    calls make one array [T, hosts x E, ...] whose block k of axis 1, the envs, goes to learner k
-#    (the sharding P(None, "learners")). E.g. with 2 hosts of 2 learners and E = 4, learner k gets
-#    envs (k % 2) * 2 and (k % 2) * 2 + 1 of thread i of host k // 2.
-#    Why from the host, not from the actor device as in Cleanba: the envs put the observations (most
-#    of the bytes) on the host already, and what stayed on the actor device comes in one transfer.
+#    (the sharding P(None, "learners")). Why through the host, not from the actor device as in
+#    Cleanba: the observations, most of the bytes, are on the host already, put there by the envs.
 # 4. `learn`, the main thread, takes one rollout from each thread; `make_update`'s `learner_update`
 #    runs on every learner at once (`shard_map`), each on its blocks; `psum` sums over them all.
 #    At the defaults, one host and one learner: each thread's obs [T + 1, E, ...] is [129, 16, 4,
@@ -399,6 +396,8 @@ def init_state(key, args, env_info, num_updates):
 # In time, left to right ("params v": what update v made; params 0: the start's):
 #   actors:    rollout 1, params 0 | rollout 2, params 0 | rollout 3, params 1 | rollout 4, params 2
 #   learners:  wait for rollout 1  | update 1: rollout 1 | update 2: rollout 2 | update 3: rollout 3
+# Across hosts (step 3), e.g. 2 hosts of 2 learners and E = 4: thread i's array has 8 envs, host 0's
+# as 0-3 and host 1's as 4-7, and learner k (0-3, host 0's first) gets envs 2k and 2k + 1.
 # --no-policy-lag: rollout u waits for params u - 1, so actors and learners take turns.
 
 class Layout(NamedTuple):
@@ -424,17 +423,9 @@ def pick_devices(args):
 
 def initial_state(args, env_info, layout, num_updates, batch_size):
     """The TrainState (new or --resume's) on every learner, and its update. A jax.Array may span
-    devices; its sharding says which part each holds (P(): all of it). A host places data only on
-    its own devices: make_array_from_process_local_data copies this host's data to them."""
+    devices and hosts; each host gives the data of its own devices (P(): each holds all of it)."""
     init = partial(init_state, jax.random.PRNGKey(args.seed), args, env_info, num_updates)
-    ckpt = args.resume and load(args, {"state": jax.eval_shape(init), "update": np.int64(0),
-                                       "global_step": np.int64(0)})  # eval_shape: shapes, not values
-    # load refused other flags, so another batch size means another number of hosts.
-    if ckpt and ckpt["global_step"] != ckpt["update"] * batch_size:
-        fail(f"--resume {args.resume}: its run made {ckpt['global_step'] // ckpt['update']:,} steps an update, "
-             f"here {jax.process_count()} hosts make {batch_size:,}: resume on as many hosts as it had")
-    if ckpt and ckpt["update"] >= num_updates:
-        fail(f"--resume {args.resume}: its run has done all {num_updates} updates (raise --total-timesteps)")
+    ckpt = resumed(args, jax.eval_shape(init), num_updates, batch_size) if args.resume else None
     tree = ckpt["state"] if ckpt else jax.device_get(init())  # the same on every host
     state = jax.make_array_from_process_local_data(NamedSharding(layout.mesh, P()), tree)
     return state, int(ckpt["update"]) if ckpt else 0
@@ -449,7 +440,7 @@ def act(params, obs, key):
     actions = jax.random.categorical(sub, logits)
     return actions, log_prob(logits, actions), values, key
 
-class Rollout(NamedTuple):  # --num-steps steps of E envs
+class Rollout(NamedTuple):  # T steps of E envs: numpy arrays, then jax.Arrays on the learners
     obs: np.ndarray  # [T, E, *obs_shape]
     actions: np.ndarray  # [T, E]
     logp_mu: np.ndarray  # [T, E] the behaviour policy's
@@ -545,10 +536,10 @@ def start_groups(args, index, device, start_update):
     return groups, states
 
 def collect(args, groups, params, states, stats):
-    """--num-steps steps of each env group, in num_steps + 1 passes. Pass t, for each group:
-        receive step t - 1, act on the actor device, send step t.
-    Row t - 1 is whole in pass t: its obs and action went out in pass t - 1, its reward comes now.
-    The last pass only receives. With --async-envs envpool steps one half while the policy acts."""
+    """--num-steps steps of each env group. CleanRL's loop, `a = act(obs); obs, r = step(a)`, with
+    the step split into env_send (start it) and env_recv (wait for it). Pass t, for each group:
+    receive step t - 1 (row t - 1 is then whole), act, send step t; pass num_steps only receives.
+    So with --async-envs envpool steps one group's envs while the policy acts for the other's."""
     stored, sent = [[] for _ in groups], [None] * len(groups)  # per group: its rows; the step sent
     for t in range(args.num_steps + 1):
         for g, (envs, state) in enumerate(zip(groups, states)):
@@ -572,7 +563,7 @@ def collect(args, groups, params, states, stats):
         _, _, value, key = act(params, state.obs, state.key)
         bootstrap.append(value)
         states[g] = state._replace(key=key)
-    # One transfer fetches what stayed on the actor device; each group's rows stack along time.
+    # One device_get brings every array that stayed on the actor device; rows stack along time.
     stored, bootstrap = jax.device_get((stored, bootstrap))
     per_group = [{k: np.stack([row[k] for row in rows]) for k in rows[0]} for rows in stored]
     rollout = {k: np.concatenate([group[k] for group in per_group], axis=1) for k in per_group[0]}
@@ -617,8 +608,8 @@ def learn(args, layout, run, store, queues, state, start_update, batch_size):
 
 def make_update(args, mesh, num_updates):
     """One PPO update on every learner at once. shard_map gives each learner its part of each
-    input: all of the TrainState (P()), and its block of each thread's rollout along axis 1, the
-    envs (P(None, "learners"), the mesh's axis)."""
+    input (in_specs): all of the TrainState (P(), for every array in it), and its block of the envs,
+    axis 1, of every field of each thread's rollout (P(None, "learners"), the mesh's axis)."""
     optimizer = make_optimizer(args, num_updates)
 
     def learner_update(state, rollouts):  # on one learner, in shard_map
@@ -647,11 +638,10 @@ def make_update(args, mesh, num_updates):
         mean = mean._replace(clipfrac_first=losses[0].clipfrac_first)
         return TrainState(params, opt_state, key), mean
 
-    # A spec covers a whole nested argument: P() every array of the TrainState, P(None, "learners")
-    # every field of every Rollout. In out_specs, P() promises that all learners hold the same value
-    # (the psums make it so); check_vma=False leaves that unchecked. With the check on, JAX would
-    # track which values vary across learners ("varying manual axes"), hand learner_update the P()
-    # parameters' gradients already summed over the learners, and the psum would multiply them by L.
+    # In out_specs, P() promises that all learners return the same value: the psum makes it so. We
+    # all-reduce the gradients ourselves, by the psum, where DDP does it for you; check_vma=False
+    # turns off JAX's own accounting ("varying manual axes"), which would sum the replicated
+    # parameters' gradients once more: L times too big.
     specs = dict(in_specs=(P(), P(None, "learners")), out_specs=(P(), P()))
     return jax.jit(jax.shard_map(learner_update, mesh=mesh, **specs, check_vma=False))
 
@@ -701,6 +691,16 @@ def check_sizes(args, layout):
     if (batch_size // layout.mesh.size) % args.num_minibatches:
         fail(f"--num-minibatches {args.num_minibatches} must divide a learner's samples")
     return batch_size
+
+def resumed(args, state_shapes, num_updates, batch_size):  # --resume's checkpoint, if it can go on
+    ckpt = load(args, {"state": state_shapes, "update": np.int64(0), "global_step": np.int64(0)})
+    # load refused other flags, so another batch size means another number of hosts.
+    if ckpt["global_step"] != ckpt["update"] * batch_size:
+        fail(f"--resume {args.resume}: its run made {ckpt['global_step'] // ckpt['update']:,} steps an update, "
+             f"here {jax.process_count()} hosts make {batch_size:,}: resume on as many hosts as it had")
+    if ckpt["update"] >= num_updates:
+        fail(f"--resume {args.resume}: its run has done all {num_updates} updates (raise --total-timesteps)")
+    return ckpt
 
 def note_a_cpu_learner(args, env_info, layout):  # where a run would take days
     if layout.learner_devices[0].platform == "cpu" and cnn_for(env_info.obs_shape) == NATURE:
