@@ -287,10 +287,10 @@ def make_train(args, mesh):
     # shard_map runs `train` on each device with its share of the inputs (in_specs), as DDP runs a
     # process per GPU, and joins the devices' results into the outputs (out_specs). In out_specs, P()
     # promises that every device holds the same value (the params, kept equal by the pmean, and the
-    # psum'ed stats), so JAX returns device 0's copy; check_vma=False leaves the promise unchecked.
-    # It is off because with it on JAX would already sum the params' gradients over the devices, and
-    # `update`'s pmean would give N times the mean. ("vma": varying manual axes, the mesh axes over
-    # which JAX tracks that a value may differ between devices.)
+    # psum'ed stats), so JAX returns device 0's copy. We all-reduce the gradients ourselves (the
+    # pmean in `update`), where DDP does it for you; check_vma=False turns off JAX's own accounting
+    # of what varies across devices ("varying manual axes"), which would sum the params' gradients
+    # once more, and the pmean would then give N times the mean.
     sharded = jax.shard_map(train, mesh=mesh, in_specs=(STATE_SPECS, P()), out_specs=(STATE_SPECS, P()),
                             check_vma=False)
     # donate_argnums=0 lets XLA reuse the old state's memory for the new: the caller never reads it.

@@ -529,10 +529,10 @@ def make_train(args, env, mesh, num_updates):
     # agent, and the same `n` to all; under it, pmean and psum over "devices" reduce each seed's
     # values over the devices, never across seeds. In out_specs, P() is a promise that every device
     # holds the same value (the params, kept equal by the pmean, and the stats, reduced over
-    # devices), so JAX returns device 0's copy; with check_vma=False, nothing checks the promise.
-    # It is off because with it on JAX would already sum the params' gradients over the devices, and
-    # the pmean in `gradient_steps` would give N times the mean. ("vma": varying manual axes, the
-    # mesh axes over which JAX tracks that a value may differ between devices.)
+    # devices), so JAX returns device 0's copy. We all-reduce the gradients ourselves (the pmean in
+    # `gradient_steps`), where DDP does it for you; check_vma=False turns off JAX's own accounting
+    # of what varies across devices ("varying manual axes"), which would sum the params' gradients
+    # once more, and the pmean would then give N times the mean.
     sharded = jax.shard_map(jax.vmap(train, in_axes=(0, None)), mesh=mesh, in_specs=(STATE_SPECS, P()),
                             out_specs=(STATE_SPECS, P()), check_vma=False)
     # On the CPU, LLVM's -O1 compiles this program 2-3x faster than its default -O2; it runs as fast.
