@@ -626,10 +626,10 @@ def make_update(args, mesh, num_updates):
         params = optax.apply_updates(state.params, changes)
         return TrainState(params, opt_state), losses
 
-    # In out_specs, P() promises that all learners return the same value: the psum makes it so. We
-    # all-reduce the gradients ourselves, by the psum, where DDP does it for you; check_vma=False
-    # turns off JAX's own accounting ("varying manual axes"), which would sum the replicated
-    # parameters' gradients once more: L times too big.
+    # In out_specs, P() promises that all learners return the same value: the psum makes it so.
+    # Each learner's grad is of its own envs' share; the psum adds the L shares, as DDP's all_reduce
+    # would. check_vma=False turns off JAX's own accounting ("varying manual axes"), under which
+    # grad would already return that sum, and the psum would then add L copies: L times too big.
     specs = dict(in_specs=(P(), P(None, "learners")), out_specs=(P(), P()))
     return jax.jit(jax.shard_map(learner_update, mesh=mesh, **specs, check_vma=False))
 

@@ -389,8 +389,8 @@ def init_state(key, args, env_info, num_updates):
 #    Cleanba: the observations, most of the bytes, are on the host already, put there by the envs.
 # 4. `learn`, the main thread, takes one rollout from each thread; `make_update`'s `learner_update`
 #    runs on every learner at once (`shard_map`), each on its blocks; `psum` sums over them all.
-#    At the defaults, one host and one learner: each thread's obs [T + 1, E, ...] is [129, 16, 4,
-#    84, 84], the learner joins [129, 32, ...], flattens 4,096 samples and takes minibatches of 1,024.
+#    At the defaults, one host and one learner: each thread's obs [T, E, ...] is [128, 16, 4, 84,
+#    84], the learner joins [128, 32, ...], flattens 4,096 samples and takes minibatches of 1,024.
 # 5. `ParamStore.publish` copies the new parameters to each actor device, for step 1. JAX returns
 #    before the device is done: an actor's `act` may wait for them.
 # In time, left to right ("params v": what update v made; params 0: the start's):
@@ -638,10 +638,10 @@ def make_update(args, mesh, num_updates):
         mean = mean._replace(clipfrac_first=losses[0].clipfrac_first)
         return TrainState(params, opt_state, key), mean
 
-    # In out_specs, P() promises that all learners return the same value: the psum makes it so. We
-    # all-reduce the gradients ourselves, by the psum, where DDP does it for you; check_vma=False
-    # turns off JAX's own accounting ("varying manual axes"), which would sum the replicated
-    # parameters' gradients once more: L times too big.
+    # In out_specs, P() promises that all learners return the same value: the psum makes it so.
+    # Each learner's grad is of its own envs' share; the psum adds the L shares, as DDP's all_reduce
+    # would. check_vma=False turns off JAX's own accounting ("varying manual axes"), under which
+    # grad would already return that sum, and the psum would then add L copies: L times too big.
     specs = dict(in_specs=(P(), P(None, "learners")), out_specs=(P(), P()))
     return jax.jit(jax.shard_map(learner_update, mesh=mesh, **specs, check_vma=False))
 
