@@ -229,12 +229,12 @@ def rollout(params, lane, args):
 
 def lane_loss(params, lane, args):
     """One lane's rollout, scored with Q(lambda): the colab's `loss_fn`. A loss term goes here.
-    Each device's loss is the mean over its lanes, and `update` pmeans the gradients over devices of
-    equal lane counts: a mean over the lane's steps, as this loss is, trains on the mean over all
-    steps of all hosts, and a term of the parameters alone (an L2 penalty), the same in every lane
-    and on every device, is counted once: right as written. The Sebulba scripts psum each learner's
-    share, a sum over its own samples: a loss moved there that keeps its `.mean()` gets L (learners)
-    times the gradient, and a term of the parameters alone is counted once per learner."""
+    Each device's loss is the mean over its lanes, and `update` pmeans the gradients over devices
+    of equal lane counts. So a mean over the lane's steps, as this loss is, trains on the mean over
+    all steps of all hosts; a term of the parameters alone (an L2 penalty) is the same everywhere
+    and counted once: right as written (add it after `stats`, or td_loss logs it). Moved to a
+    Sebulba script, which psums each learner's sum over its own samples, a `.mean()` term gets L
+    (learners) times the gradient and a term of the parameters alone is counted once per learner."""
     lane, traj, q_last = rollout(params, lane, args)
     loss = q_lambda_loss(traj.q, q_last, traj.action, traj.reward, traj.done, args.gamma, args.q_lambda)
     stats = Stats(td_loss=loss, q_values=traj.q.mean(), return_sum=traj.ended_return.sum(),
@@ -381,7 +381,7 @@ def start(args):
     """First in `main`: refuse counts below 1 and seeds out of range, then join the other hosts."""
     if low := [k for k, v in vars(args).items() if type(v) is int and v < 1 and k not in ("seed", "process_id")]:
         fail(f"--{low[0].replace('_', '-')} {getattr(args, low[0])} must be at least 1")  # a count
-    if not 0 <= args.seed < 2**31:  # envpool takes int32 seeds, and default_rng no negative ones
+    if not 0 <= args.seed < 2**31:  # all four scripts' range: envpool takes int32, default_rng >= 0
         fail(f"--seed {args.seed} must be in 0..{2**31 - 1}")
     if args.distributed:  # flags left unset are found by JAX itself (SLURM, Cloud TPU, Kubernetes)
         try:

@@ -651,7 +651,7 @@ def start(args):
     """First in `main`: refuse counts below 1 and seeds out of range, then join the other hosts."""
     if low := [k for k, v in vars(args).items() if type(v) is int and v < 1 and k not in ("seed", "process_id")]:
         fail(f"--{low[0].replace('_', '-')} {getattr(args, low[0])} must be at least 1")  # a count
-    if not 0 <= args.seed < 2**31:  # envpool takes int32 seeds, and default_rng no negative ones
+    if not 0 <= args.seed < 2**31:  # all four scripts' range: envpool takes int32, default_rng >= 0
         fail(f"--seed {args.seed} must be in 0..{2**31 - 1}")
     if args.distributed:  # flags left unset are found by JAX itself (SLURM, Cloud TPU, Kubernetes)
         try:

@@ -10,8 +10,8 @@
                                   a queue of one rollout)    V-trace loss, grads summed
                                <-------------------------  publish: new params to actors
 
-The actors act exactly one update behind (see the timeline that ends the rollout's map), so equal
-flags give equal parameters however busy the machine (not a resumed run: it starts new episodes).
+After the first rollout the actors act exactly one update behind (the timeline at the map's end),
+so equal flags give equal parameters however busy the machine (a resume starts new episodes).
 
 Sections: envs, network, loss, optimizer, one rollout's path (a map heads it), `main`; a first read
 may skip main's checks and the plumbing appendix. New to JAX? Read the map first, then `actor`,
@@ -393,11 +393,11 @@ def init_state(key, args, env_info, num_updates):
 # 2. `collect` steps the envs on the host. jit runs `act` where its inputs (parameters, key) are, on
 #    the actor device; only the actions come to the host each step (np.asarray waits for them),
 #    the logits at the rollout's end (one device_get).
-# 3. `actor` makes the host Rollout [T, E, ...] one jax.Array over the mesh, all hosts' learners:
-#    thread i of every host calls make_array_from_process_local_data with its own E envs, and the
-#    calls make one array [T, hosts x E, ...] whose block k of axis 1, the envs, goes to learner k
-#    (the sharding P(None, "learners")). Why through the host, not from the actor device as in
-#    Cleanba: the observations, most of the bytes, are on the host already, put there by the envs.
+# 3. `actor` splits the host Rollout [T, E, ...] along the envs, like torch.chunk(L, dim=1) with
+#    chunk k moved to learner k: one jax.Array with the sharding P(None, "learners"). Across hosts,
+#    thread i of every host calls make_array_from_process_local_data with its own E envs, making one
+#    array [T, hosts x E, ...] (an example ends the map). Why through the host, not from the actor
+#    device as in Cleanba: the observations, most of the bytes, are on the host already.
 # 4. `learn`, the main thread, takes one rollout from each thread; `make_update`'s `learner_update`
 #    runs on every learner at once (`shard_map`), each on its blocks; `psum` sums over them all.
 #    At the defaults, one host and one learner: each thread's obs [T + 1, E, ...] is [17, 16, 4]
@@ -731,7 +731,7 @@ def start(args):
     """First in `main`: refuse counts below 1 and seeds out of range, then join the other hosts."""
     if low := [k for k, v in vars(args).items() if type(v) is int and v < 1 and k not in ("seed", "process_id")]:
         fail(f"--{low[0].replace('_', '-')} {getattr(args, low[0])} must be at least 1")  # a count
-    if not 0 <= args.seed < 2**31:  # envpool takes int32 seeds, and default_rng no negative ones
+    if not 0 <= args.seed < 2**31:  # all four scripts' range: envpool takes int32, default_rng >= 0
         fail(f"--seed {args.seed} must be in 0..{2**31 - 1}")
     if args.distributed:  # flags left unset are found by JAX itself (SLURM, Cloud TPU, Kubernetes)
         try:
