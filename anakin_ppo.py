@@ -26,8 +26,8 @@ Reading order:
 1. `Env`, `env_step`: a JAX env, its time limit, auto-reset and `final_obs`.
 2. `gae`, `policy_loss`, `value_loss`, `ppo_loss`: the loss (add loss terms in `ppo_loss`).
 3. `rollout`, `gradient_steps`, `update`: one agent's update on one device.
-4. `make_train`: `update` looped over updates and vmapped over seeds (one device's work, the paper's
-   minimal unit), shard_mapped over devices; the comment at `STATE_SPECS` gives the shapes at each level.
+4. `make_train`: `update` looped over updates, vmapped over independent seeds (the colab vmaps env
+   lanes; here `rollout` batches the envs), shard_mapped over devices; `STATE_SPECS` gives shapes.
 5. `initial_state`, `main`: the run; skip the plumbing after it.
 
     python anakin_ppo.py

@@ -639,9 +639,9 @@ def make_update(args, mesh, num_updates):
         return TrainState(params, opt_state, key), mean
 
     # In out_specs, P() promises that all learners return the same value: the psum makes it so.
-    # Each learner's grad is of its own envs' share; the psum adds the L shares, as DDP's all_reduce
-    # would. check_vma=False turns off JAX's own accounting ("varying manual axes"), under which
-    # grad would already return that sum, and the psum would then add L copies: L times too big.
+    # E.g. 2 learners of 320 steps: each grad is of its own 320 steps' share, and the psum gives the
+    # 640 steps' gradient, as one device would. check_vma=False turns off JAX's own accounting
+    # ("varying manual axes"), under which grad would psum already and ours would double it.
     specs = dict(in_specs=(P(), P(None, "learners")), out_specs=(P(), P()))
     return jax.jit(jax.shard_map(learner_update, mesh=mesh, **specs, check_vma=False))
 
