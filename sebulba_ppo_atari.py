@@ -14,8 +14,8 @@ After the first rollout the actors act exactly one update behind (the timeline a
 so equal flags give equal parameters however busy the machine (a resume starts new episodes).
 
 Sections: envs, network, loss, optimizer, one rollout's path (a map heads it), `main`; a first read
-may skip main's checks and the plumbing appendix. New to JAX? Read the map first, then `actor`,
-`collect`, `learn`, `make_update` and `ParamStore`, with the network and the loss as black boxes.
+may skip main's checks and the plumbing appendix. New to JAX? Read the rollout's map first, then
+`actor`, `collect`, `learn`, `make_update`, `ParamStore`, with the network and loss as black boxes.
 Where to change: the network in `init_params` and `apply`, the loss in `ppo_loss` (whose
 docstring says how a term adds up across learners), the env in `make_envs` and the `env_*`
 functions (a gymnasium env needs no change: `--env-id mypkg:MyEnv-v0`).
@@ -25,7 +25,7 @@ each learner's loss is its share of the global loss); `P` says which part of an 
 A pytree is any nesting of tuples, lists, dicts and NamedTuples of arrays: JAX acts on its leaves.
 
     python sebulba_ppo_atari.py --env-id Breakout-v5
-    python sebulba_ppo_atari.py --env-id Pong-v5 --actor-device-ids 0 --learner-device-ids 1 2 3
+    python sebulba_ppo_atari.py --env-id Pong-v5 --actor-device-ids 0 --learner-device-ids 1 2
 """
 
 import contextlib
@@ -189,7 +189,7 @@ def env_reset(envs):
 class Step(NamedTuple):  # what one step of E envs returns
     obs: np.ndarray  # [E, *obs_shape]
     reward: np.ndarray  # [E] (Atari: clipped)
-    terminated: np.ndarray  # [E] the episode ended for good: no bootstrap from obs
+    terminated: np.ndarray  # [E] ended, not cut (Atari: a lost life too, by default): no bootstrap
     ended: np.ndarray  # [E] terminated or truncated: the next step is a reset step
     score: np.ndarray  # [E] (Atari: unclipped)
     game_over: np.ndarray  # [E] the game ended or was cut (Atari: not at each lost life)
@@ -537,9 +537,9 @@ def start_groups(args, index, device, start_update):
 
 def collect(args, groups, params, states, stats):
     """--num-steps steps of each env group. CleanRL's loop, `a = act(obs); obs, r = step(a)`, with
-    the step split into env_send (start it) and env_recv (wait for it). Pass t, for each group:
-    receive step t - 1 (row t - 1 is then whole), act, send step t; pass num_steps only receives.
-    So with --async-envs envpool steps one group's envs while the policy acts for the other's."""
+    the step split into env_send (start it) and env_recv (wait for it). Pass 0 acts and sends; pass
+    t, for each group, receives step t - 1 (row t - 1 is then whole), acts, sends step t; the last
+    only receives. So with --async-envs envpool steps a group as the policy acts for the other."""
     stored, sent = [[] for _ in groups], [None] * len(groups)  # per group: its rows; the step sent
     for t in range(args.num_steps + 1):
         for g, (envs, state) in enumerate(zip(groups, states)):
@@ -613,7 +613,7 @@ def make_update(args, mesh, num_updates):
     optimizer = make_optimizer(args, num_updates)
 
     def learner_update(state, rollouts):  # on one learner, in shard_map
-        # This learner's blocks of the threads' rollouts, field by field, joined along the envs.
+        # A Rollout a thread, each field this learner's block [T (+ 1), E / L, ...]: join the envs.
         r = Rollout(*[jnp.concatenate(field, axis=1) for field in zip(*rollouts)])
         advantages = gae(r.rewards, r.values, r.terminated, r.ended, args.gamma, args.gae_lambda)
         rows = lambda x: x.reshape(-1, *x.shape[2:])  # [T, E_l, ...] -> [N, ...]
@@ -641,7 +641,7 @@ def make_update(args, mesh, num_updates):
     # In out_specs, P() promises that all learners return the same value: the psum makes it so.
     # E.g. 2 learners of 320 steps: each grad is of its own 320 steps' share, and the psum gives the
     # 640 steps' gradient, as one device would. check_vma=False turns off JAX's own accounting
-    # ("varying manual axes"), under which grad would psum already and ours would double it.
+    # ("varying manual axes"), under which grad would psum already: ours would make it 2 (L) times.
     specs = dict(in_specs=(P(), P(None, "learners")), out_specs=(P(), P()))
     return jax.jit(jax.shard_map(learner_update, mesh=mesh, **specs, check_vma=False))
 
