@@ -679,9 +679,9 @@ def check_args(args):
     return args, env_info
 
 def check_sizes(args, layout):
-    n_learners = len(layout.learner_devices)
-    if args.local_num_envs % n_learners:
-        fail(f"--local-num-envs {args.local_num_envs} must divide among {n_learners} learners")
+    if args.local_num_envs % (n_learners := len(layout.learner_devices)):
+        fail(f"--local-num-envs {args.local_num_envs} must divide among {n_learners} learners: give "
+             f"a multiple of {n_learners}, or --learner-device-ids (default: all but the actors)")
     if args.async_envs and args.local_num_envs % 2:
         fail(f"--local-num-envs {args.local_num_envs} must be even with --async-envs")
     envs_per_host = len(layout.actor_devices) * args.num_actor_threads * args.local_num_envs

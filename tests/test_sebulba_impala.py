@@ -463,13 +463,15 @@ def mismatched_checkpoint(tmp_path):
     (2, ["--env-id", "CartPole-v1", "--actor-device-ids", 2], "--actor-device-ids"),
     (2, ["--env-id", "CartPole-v1", "--actor-device-ids", 0, "--learner-device-ids", 0, 1], "--learner-device-ids"),
     (3, ["--env-id", "CartPole-v1", "--learner-device-ids", 1, 2, "--local-num-envs", 3], "--local-num-envs"),
+    (4, ["--env-id", "CartPole-v1"], "--local-num-envs"),  # the default learners, 3, take no 16 envs
     (1, ["--env-id", "CartPole-v1", "--async-envs", "--local-num-envs", 3], "--local-num-envs"),
     (1, ["--env-id", "CartPole-v1", "--total-timesteps", 100], "--total-timesteps"),
     (1, ["--env-id", "CartPole-v1", "--resume", "missing.npz"], "--resume"),
     (1, ["--env-id", "CartPole-v1", "--resume", mismatched_checkpoint], "--resume"),
 ], ids=["unknown-env", "continuous-actions", "actions-from-1", "shallow-vectors", "max-grad-norm-0", "shallow-10x10",
         "device-out-of-range", "device-reused",
-        "envs-not-divisible", "async-envs-odd", "budget-below-one-update", "missing-checkpoint",
+        "envs-not-divisible", "envs-not-divisible-by-default-learners",
+        "async-envs-odd", "budget-below-one-update", "missing-checkpoint",
         "mismatched-checkpoint"])
 def test_bad_input_is_one_error_line_naming_the_flag(tmp_path, envs_path, devices, flags, flag):
     flags = [f(tmp_path) if callable(f) else f for f in flags]
