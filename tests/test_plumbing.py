@@ -381,22 +381,22 @@ UNSET = {"--resume", "--coordinator-address", "--num-processes", "--process-id"}
 
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_help_gives_each_flag_one_default_and_the_values_a_none_stands_for(script):
-    defaults = help_defaults(script)
-    assert len(defaults) == len(dataclasses.fields(load(script).Args)), defaults
+    defaults, module = help_defaults(script), load(script)
+    assert len(defaults) == len(dataclasses.fields(module.Args)), defaults
     assert all(len(texts) == 1 for texts in defaults.values()), defaults  # not "(default: 0) (default: None)"
     assert {flag for flag, texts in defaults.items() if texts == ["None"]} == UNSET, defaults
     flags_of = lambda names: ["--" + name.replace("_", "-") for name in names]
     if script.startswith("anakin"):
         assert defaults["--num-devices"] == ["all"]
     if script == "anakin_ppo.py":  # each env's value, from ENVS
-        envs = load(script).ENVS
+        envs = module.ENVS
         for flag, name in zip(flags_of(envs["CartPole-v1"].defaults), envs["CartPole-v1"].defaults):
             assert defaults[flag] == [", ".join(f"{env_id} {env.defaults[name]}" for env_id, env in envs.items())]
         assert defaults["--learning-rate"] == ["CartPole-v1 0.00025, Pendulum-v1 0.001"]
     if script.startswith("sebulba"):
         assert defaults["--actor-device-ids"] == ["0"] and defaults["--learner-device-ids"] == ["others, or 0"]
     if script == "sebulba_impala.py":  # the values for images and for vectors, from DEFAULTS
-        image, vector = load(script).DEFAULTS["image"], load(script).DEFAULTS["vector"]
+        image, vector = module.DEFAULTS["image"], module.DEFAULTS["vector"]
         assert set(image) == set(vector) == {"total_timesteps", "learning_rate", "num_steps", "rmsprop_eps",
                                              "network", "log_every"}
         for flag, name in zip(flags_of(image), image):

@@ -80,10 +80,13 @@ def same_update(tmp_path, script, *terms):
     return {row[1]: tuple(float(row[row.index(name) + 1]) for name in ("moved", "gap", "info_gap")) for row in rows}
 
 
+def assert_two_learners_make_one_learners_update(moved, gap, info_gap):
+    assert moved > 1e-4 and gap < 1e-6 * max(moved, 1.0) + 1e-7 and info_gap < 1e-5
+
+
 @pytest.mark.parametrize("script", list(SETUP))
 def test_an_update_is_the_same_on_one_or_two_learner_devices(tmp_path, script):
-    moved, gap, info_gap = same_update(tmp_path, script)["none"]
-    assert moved > 1e-4 and gap < 1e-6 * max(moved, 1.0) + 1e-7 and info_gap < 1e-5
+    assert_two_learners_make_one_learners_update(*same_update(tmp_path, script)["none"])
 
 
 @pytest.mark.parametrize("script", list(SETUP))
@@ -91,7 +94,6 @@ def test_a_parameter_only_loss_term_added_as_the_loss_says_gives_the_same_update
     """An L2 penalty divided by the learner count (jax.lax.psum(1, "learners")), as the loss's docstring says,
     gives two learners one learner's update; added as it is, each learner counts it and the update differs."""
     results = same_update(tmp_path, script, "l2", "l2-naive")
-    moved, gap, info_gap = results["l2"]
-    assert moved > 1e-4 and gap < 1e-6 * max(moved, 1.0) + 1e-7 and info_gap < 1e-5
+    assert_two_learners_make_one_learners_update(*results["l2"])
     naive_moved, naive_gap, _ = results["l2-naive"]
     assert naive_gap > 1e-3 * naive_moved, results  # the naive term is counted twice: this test would catch it
