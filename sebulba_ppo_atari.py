@@ -407,13 +407,13 @@ class Layout(NamedTuple):
 
 def pick_devices(args):
     """The devices that act and learn."""
-    n = jax.local_device_count()
+    num_devices = jax.local_device_count()
     actors = args.actor_device_ids or [0]
-    learners = args.learner_device_ids or ([i for i in range(n) if i not in actors] or [0])
+    learners = args.learner_device_ids or [i for i in range(num_devices) if i not in actors] or [0]
     for flag, ids in (("--actor-device-ids", actors), ("--learner-device-ids", learners)):
-        if not all(0 <= i < n for i in ids) or len(set(ids)) < len(ids):
-            fail(f"{flag} {ids}: give distinct indices in 0..{n - 1}")
-    if n > 1 and set(actors) & set(learners):
+        if not all(0 <= i < num_devices for i in ids) or len(set(ids)) < len(ids):
+            fail(f"{flag} {ids}: give distinct indices in 0..{num_devices - 1}")
+    if num_devices > 1 and set(actors) & set(learners):
         fail(f"--learner-device-ids {learners} share a device with --actor-device-ids {actors}")
     hosts = [[d for d in jax.devices() if d.process_index == p] for p in range(jax.process_count())]
     mesh = Mesh(np.array([host[i] for host in hosts for i in learners]), ("learners",))
@@ -613,7 +613,7 @@ def make_update(args, mesh, num_updates):
     optimizer = make_optimizer(args, num_updates)
 
     def learner_update(state, rollouts):  # on one learner, in shard_map
-        # A Rollout a thread, each field this learner's block [T (+ 1), E / L, ...]: join the envs.
+        # One Rollout per thread; zip(*rollouts) gathers each field's blocks [T (+ 1), E / L, ...].
         r = Rollout(*[jnp.concatenate(field, axis=1) for field in zip(*rollouts)])
         advantages = gae(r.rewards, r.values, r.terminated, r.ended, args.gamma, args.gae_lambda)
         rows = lambda x: x.reshape(-1, *x.shape[2:])  # [T, E_l, ...] -> [N, ...]
