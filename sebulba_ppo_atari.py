@@ -11,14 +11,14 @@ al. 2017) for Atari.
                                <-------------------------  publish: new params to actors
 
 After the first rollout the actors act exactly one update behind (the timeline at the map's end),
-so equal flags give equal parameters however busy the machine (a resume starts new episodes).
+so equal flags give equal parameters however busy the machine.
 
 Sections: envs, network, loss, optimizer, one rollout's path (a map heads it), `main`; a first read
 may skip main's checks and the plumbing appendix. New to JAX? Read the rollout's map first, then
 `actor`, `collect`, `learn`, `make_update`, `ParamStore`, with the network and loss as black boxes.
 Where to change: the network in `init_params` and `apply`, the loss in `ppo_loss` (whose
-docstring says how a term adds up across learners), the env in `make_envs` and the `env_*`
-functions (a gymnasium env needs no change: `--env-id mypkg:MyEnv-v0`).
+docstring says how a term adds up across learners), the env in `describe_env`, `make_envs` and
+the `env_*` functions (a gymnasium env needs no change: `--env-id mypkg:MyEnv-v0`).
 In PyTorch terms: `shard_map` runs the update on every learner at once, each on its share of the
 data, as DDP runs a process per GPU; `psum` over "learners" is all_reduce with SUM (not DDP's mean:
 each learner's loss is its share of the global loss); `P` says which part of an array each holds.
@@ -101,7 +101,7 @@ class Args:
     # The plumbing appendix's flags:
     exp_name: str = Path(__file__).stem  # part of the run folder's name
     run_dir: str = "runs"  # parent folder of run folders
-    resume: str | None = None  # a checkpoint.npz to continue from
+    resume: str | None = None  # a checkpoint.npz to continue from (its envs start new episodes)
     distributed: bool = False  # call jax.distributed.initialize() (multi-host)
     coordinator_address: str | None = None  # host:port of process 0 (or JAX detects it)
     num_processes: int | None = None  # processes in all (multi-host)
@@ -192,7 +192,7 @@ class Step(NamedTuple):  # what one step of E envs returns
     terminated: np.ndarray  # [E] ended, not cut (Atari: a lost life too, by default): no bootstrap
     ended: np.ndarray  # [E] terminated or truncated: the next step is a reset step
     score: np.ndarray  # [E] (Atari: unclipped)
-    game_over: np.ndarray  # [E] the game ended or was cut (Atari: not at each lost life)
+    game_over: np.ndarray  # [E] the game ended or was cut: log it (Atari: not at each lost life)
 
 def env_send(envs, actions):  # envpool steps them in its threads
     if envs.env_info.source == "envpool":
@@ -375,29 +375,28 @@ def init_state(key, args, env_info, num_updates):
 
 
 # ---- One rollout's path, device placements included, as its data flows
-# 1. `actor`, a host thread, takes the parameters of update u - 2 for the rollout of update u
-#    (`ParamStore.wait`), on its actor device, as the learners make update u - 1 meanwhile: one
-#    update behind (stats/param_lag); decoupled PPO corrects it. Exactly u - 2: with the newest, the
-#    version would be a race between threads, and equal flags could give other parameters.
+# 1. `actor`, a host thread, takes the parameters that update u - 2 made, for the rollout that
+#    update u learns from (`ParamStore.wait`), on its actor device, as the learners make update
+#    u - 1: one update behind (stats/param_lag); decoupled PPO corrects it. Exactly u - 2: with the
+#    newest, the version would depend on which thread ran first, and reruns could differ.
 # 2. `collect` steps the envs on the host. jit runs `act` where its inputs (parameters, key) are, on
 #    the actor device; only the actions come to the host each step (np.asarray waits for them),
 #    the log-probs and values at the rollout's end (one device_get).
 # 3. `actor` splits the host Rollout [T, E, ...] along the envs, like torch.chunk(L, dim=1) with
-#    chunk k moved to learner k: one jax.Array with the sharding P(None, "learners"). Across hosts,
-#    thread i of every host calls make_array_from_process_local_data with its own E envs, making one
-#    array [T, hosts x E, ...] (an example ends the map). Why through the host, not from the actor
-#    device as in Cleanba: the observations, most of the bytes, are on the host already.
+#    chunk k moved to learner k: one jax.Array with the sharding P(None, "learners"). It goes from
+#    the host, not the actor device as in Cleanba: the observations, most of the bytes, are there.
 # 4. `learn`, the main thread, takes one rollout from each thread; `make_update`'s `learner_update`
 #    runs on every learner at once (`shard_map`), each on its blocks; `psum` sums over them all.
-#    At the defaults, one host and one learner: each thread's obs [T, E, ...] is [128, 16, 4, 84,
-#    84], the learner joins [128, 32, ...], flattens 4,096 samples and takes minibatches of 1,024.
+#    With one learner (one or two devices, at the defaults), the learner joins each thread's obs
+#    [T, E, ...] = [128, 16, 4, 84, 84] into [128, 32, ...]: 4,096 samples, minibatches of 1,024.
 # 5. `ParamStore.publish` copies the new parameters to each actor device, for step 1. JAX returns
 #    before the device is done: an actor's `act` may wait for them.
 # In time, left to right ("params v": what update v made; params 0: the start's):
 #   actors:    rollout 1, params 0 | rollout 2, params 0 | rollout 3, params 1 | rollout 4, params 2
 #   learners:  wait for rollout 1  | update 1: rollout 1 | update 2: rollout 2 | update 3: rollout 3
-# Across hosts (step 3), e.g. 2 hosts of 2 learners and E = 4: thread i's array has 8 envs, host 0's
-# as 0-3 and host 1's as 4-7, and learner k (0-3, host 0's first) gets envs 2k and 2k + 1.
+# Across hosts, thread i of every host gives its E envs to make_array_from_process_local_data (step
+# 3), which makes one array [T, hosts x E, ...]. E.g. with 2 hosts of 2 learners and E = 4, thread
+# i's array has 8 envs, host 0's as 0-3 and host 1's as 4-7, and learner k (0-3) gets 2k and 2k + 1.
 # --no-policy-lag: rollout u waits for params u - 1, so actors and learners take turns.
 
 class Layout(NamedTuple):
@@ -510,7 +509,7 @@ def actor(args, index, device, mesh, store, rollout_queue, start_update, num_upd
     groups, states = start_groups(args, index, device, start_update)
     to_learners = NamedSharding(mesh, P(None, "learners"))
     for update in range(start_update + 1, num_updates + 1):  # the rollout this update learns from
-        # Exactly u - 2 (--no-policy-lag: u - 1), or for the first rollout the start's version.
+        # What update u - 2 made (--no-policy-lag: u - 1), or for the first rollout the start's.
         version = max(update - 2 if args.policy_lag else update - 1, start_update)
         params = store.wait(version, device)
         stats = ActorStats(returns=[], lengths=[], lag=update - 1 - version, timings=defaultdict(float))
@@ -536,25 +535,26 @@ def start_groups(args, index, device, start_update):
     return groups, states
 
 def collect(args, groups, params, states, stats):
-    """--num-steps steps of each env group. CleanRL's loop, `a = act(obs); obs, r = step(a)`, with
-    the step split into env_send (start it) and env_recv (wait for it). Pass 0 acts and sends; pass
-    t, for each group, receives step t - 1 (row t - 1 is then whole), acts, sends step t; the last
-    only receives. So with --async-envs envpool steps a group as the policy acts for the other."""
-    stored, sent = [[] for _ in groups], [None] * len(groups)  # per group: its rows; the step sent
+    """--num-steps (T) steps of each env group: CleanRL's `a = act(obs); obs, r = step(a)`, the step
+    split into env_send (start it) and env_recv (wait for it) for --async-envs. Pass t, each group:
+        t = 0:      act on x_0, send a_0
+        0 < t < T:  receive step t - 1 (its row is then whole), act on x_t, send a_t
+        t = T:      receive step T - 1"""
+    rows, pending = [[] for _ in groups], [None] * len(groups)  # per group: rows; step in flight
     for t in range(args.num_steps + 1):
         for g, (envs, state) in enumerate(zip(groups, states)):
             if t > 0:  # state.ended is from before the step: a reset step is not valid
                 with timer(stats.timings, "env_step_time"):
-                    step = env_recv(envs, sent[g]["actions"])
-                stored[g].append(dict(sent[g], rewards=step.reward, terminated=step.terminated,
-                                      ended=step.ended, valid=~state.ended))
+                    step = env_recv(envs, pending[g]["actions"])
+                rows[g].append(dict(pending[g], rewards=step.reward, terminated=step.terminated,
+                                    ended=step.ended, valid=~state.ended))
                 state = track_games(state, step, stats)
             if t < args.num_steps:
                 with timer(stats.timings, "inference_time"):
                     actions, logp_mu, values, key = act(params, state.obs, state.key)
                     actions = np.asarray(actions)  # the rest stays on the device
                 env_send(envs, actions)
-                sent[g] = dict(obs=state.obs, actions=actions, logp_mu=logp_mu, values=values)
+                pending[g] = dict(obs=state.obs, actions=actions, logp_mu=logp_mu, values=values)
                 state = state._replace(key=key)
             states[g] = state
     # V(x_T) comes from `act` (no second compilation); its action is dropped.
@@ -564,8 +564,8 @@ def collect(args, groups, params, states, stats):
         bootstrap.append(value)
         states[g] = state._replace(key=key)
     # One device_get brings every array that stayed on the actor device; rows stack along time.
-    stored, bootstrap = jax.device_get((stored, bootstrap))
-    per_group = [{k: np.stack([row[k] for row in rows]) for k in rows[0]} for rows in stored]
+    rows, bootstrap = jax.device_get((rows, bootstrap))
+    per_group = [{k: np.stack([row[k] for row in group]) for k in group[0]} for group in rows]
     rollout = {k: np.concatenate([group[k] for group in per_group], axis=1) for k in per_group[0]}
     rollout["values"] = np.concatenate([rollout["values"], np.concatenate(bootstrap)[None]])
     return Rollout(**rollout), states
@@ -639,9 +639,9 @@ def make_update(args, mesh, num_updates):
         return TrainState(params, opt_state, key), mean
 
     # In out_specs, P() promises that all learners return the same value: the psum makes it so.
-    # E.g. 2 learners of 320 steps: each grad is of its own 320 steps' share, and the psum gives the
-    # 640 steps' gradient, as one device would. check_vma=False turns off JAX's own accounting
-    # ("varying manual axes"), under which grad would psum already: ours would make it 2 (L) times.
+    # E.g. with 2 learners of 320 steps, the psum of their grads is the gradient of all 640 steps.
+    # We sum the gradients ourselves, so check_vma=False: with it on, JAX tracks which values differ
+    # between learners, its grad would already sum over them, and our psum would count them L times.
     specs = dict(in_specs=(P(), P(None, "learners")), out_specs=(P(), P()))
     return jax.jit(jax.shard_map(learner_update, mesh=mesh, **specs, check_vma=False))
 
