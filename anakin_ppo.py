@@ -76,7 +76,7 @@ class Args:
     env_id: str = "CartPole-v1"  # CartPole-v1 (discrete) or Pendulum-v1 (continuous)
     seed: int = 1  # agent i of --num-seeds draws all its randomness from (seed, i)
     num_seeds: int = 1  # independent agents, side by side (vmap)
-    # Some defaults depend on the env.
+    # Some defaults depend on the env: each Env in ENVS (below) holds them, check_args fills them.
     total_timesteps: Annotated[int | None, by_env("total_timesteps")] = None  # env steps of one agent
     learning_rate: Annotated[float | None, by_env("learning_rate")] = None  # Adam step size
     anneal_lr: bool = True  # the step size falls linearly to zero
@@ -116,7 +116,7 @@ class Env(NamedTuple):
     action_size: int  # actions, or the action's dimension if continuous
     continuous: bool  # Gaussian policy, else categorical
     max_steps: int  # then the episode is truncated, not terminated
-    defaults: dict  # values of the flags left at None
+    defaults: dict  # a value for every by_env flag, taken where it is left at None (check_args)
 
 
 # CartPole (Barto et al. 1983), gymnasium's constants and Euler steps.
@@ -530,9 +530,9 @@ def make_train(args, env, mesh, num_updates):
     # values over the devices, never across seeds. In out_specs, P() is a promise that every device
     # holds the same value (the params, kept equal by the pmean, and the stats, reduced over
     # devices), so JAX returns device 0's copy. We all-reduce the gradients ourselves (the pmean in
-    # `gradient_steps`), where DDP does it for you; check_vma=False turns off JAX's own accounting
-    # of what varies across devices ("varying manual axes"), which would sum the params' gradients
-    # once more, and the pmean would then give N times the mean.
+    # `gradient_steps`), so check_vma=False (vma: values that vary across devices): with it on,
+    # jax.grad would sum the params' gradients over the devices itself, as DDP's backward() does,
+    # and the pmean would give N times the mean. With it off, the pmean is the only all-reduce.
     sharded = jax.shard_map(jax.vmap(train, in_axes=(0, None)), mesh=mesh, in_specs=(STATE_SPECS, P()),
                             out_specs=(STATE_SPECS, P()), check_vma=False)
     # On the CPU, LLVM's -O1 compiles this program 2-3x faster than its default -O2; it runs as fast.

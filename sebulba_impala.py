@@ -218,7 +218,7 @@ def env_recv(envs, actions):  # the step env_send began (gymnasium steps here)
     else:
         obs, reward, terminated, truncated, info = envs.pool.step(actions)
     score, game_over = reward, terminated | truncated
-    if envs.env_info.atari:  # info holds the unclipped reward and the game's own end
+    if envs.env_info.atari:  # info: the unclipped reward; the game's end, not each lost life
         score, game_over = info["reward"], info["terminated"].astype(bool) | truncated
     return Step(obs=host_obs(obs, envs.env_info), reward=reward.astype(np.float32),
                 terminated=terminated, ended=terminated | truncated, score=score, game_over=game_over)
@@ -386,10 +386,10 @@ def init_state(key, args, env_info, num_updates):
 
 
 # ---- One rollout's path, device placements included, as its data flows
-# 1. `actor`, a host thread, takes the parameters that update u - 2 made, for the rollout that
-#    update u learns from (`ParamStore.wait`), on its actor device, as the learners make update
-#    u - 1: one update behind (stats/param_lag); V-trace corrects it. Exactly u - 2: with the
-#    newest, the version would depend on which thread ran first, and reruns could differ.
+# 1. `actor`, a host thread, collects rollout u, which update u learns from, as the learners make
+#    update u - 1; so it takes the parameters update u - 2 made (`ParamStore.wait`), on its actor
+#    device: one update behind (stats/param_lag), which V-trace corrects. Exactly u - 2:
+#    with the newest, the version would depend on which thread ran first, and reruns could differ.
 # 2. `collect` steps the envs on the host. jit runs `act` where its inputs (parameters, key) are, on
 #    the actor device; only the actions come to the host each step (np.asarray waits for them),
 #    the logits at the rollout's end (one device_get).
@@ -628,8 +628,8 @@ def make_update(args, mesh, num_updates):
 
     # In out_specs, P() promises that all learners return the same value: the psum makes it so.
     # E.g. with 2 learners of 320 steps, the psum of their grads is the gradient of all 640 steps.
-    # We sum the gradients ourselves, so check_vma=False: with it on, JAX tracks which values differ
-    # between learners, its grad would already sum over them, and our psum would count them L times.
+    # check_vma=False, as we psum the gradients ourselves: with it on, jax.grad would sum them over
+    # the learners itself, as DDP's backward() does, and our psum would then count them L times.
     specs = dict(in_specs=(P(), P(None, "learners")), out_specs=(P(), P()))
     return jax.jit(jax.shard_map(learner_update, mesh=mesh, **specs, check_vma=False))
 
