@@ -288,9 +288,9 @@ def make_train(args, mesh):
     # process per GPU, and joins the devices' results into the outputs (out_specs). In out_specs, P()
     # promises that every device holds the same value (the params, kept equal by the pmean, and the
     # psum'ed stats), so JAX returns device 0's copy. We all-reduce the gradients ourselves (the
-    # pmean in `update`), so check_vma=False (vma: values that vary across devices): with it on,
-    # jax.grad would sum the params' gradients over the devices itself, as DDP's backward() does,
-    # and the pmean would give N times the mean. With it off, the pmean is the only all-reduce.
+    # pmean in `update`), so check_vma=False ("varying manual axes": JAX's record of what differs
+    # by device): with it on, jax.grad would sum the params' gradients over the devices itself, as
+    # DDP's backward() does, and the pmean would give N times the mean. Off, only the pmean reduces.
     sharded = jax.shard_map(train, mesh=mesh, in_specs=(STATE_SPECS, P()), out_specs=(STATE_SPECS, P()),
                             check_vma=False)
     # donate_argnums=0 lets XLA reuse the old state's memory for the new: the caller never reads it.

@@ -530,9 +530,9 @@ def make_train(args, env, mesh, num_updates):
     # values over the devices, never across seeds. In out_specs, P() is a promise that every device
     # holds the same value (the params, kept equal by the pmean, and the stats, reduced over
     # devices), so JAX returns device 0's copy. We all-reduce the gradients ourselves (the pmean in
-    # `gradient_steps`), so check_vma=False (vma: values that vary across devices): with it on,
-    # jax.grad would sum the params' gradients over the devices itself, as DDP's backward() does,
-    # and the pmean would give N times the mean. With it off, the pmean is the only all-reduce.
+    # `gradient_steps`), so check_vma=False ("varying manual axes": JAX's record of what differs
+    # by device): with it on, jax.grad would sum the params' gradients over the devices itself, as
+    # DDP's backward() does, and the pmean would give N times the mean. Off, only the pmean reduces.
     sharded = jax.shard_map(jax.vmap(train, in_axes=(0, None)), mesh=mesh, in_specs=(STATE_SPECS, P()),
                             out_specs=(STATE_SPECS, P()), check_vma=False)
     # On the CPU, LLVM's -O1 compiles this program 2-3x faster than its default -O2; it runs as fast.

@@ -190,7 +190,7 @@ class Step(NamedTuple):  # what one step of E envs returns
     obs: np.ndarray  # [E, *obs_shape]
     reward: np.ndarray  # [E] (Atari: clipped)
     terminated: np.ndarray  # [E] ended, not cut (Atari: a lost life too, by default): no bootstrap
-    ended: np.ndarray  # [E] terminated or truncated: the next step is a reset step
+    ended: np.ndarray  # [E] terminated or truncated: the next step is a reset step, not `valid`
     score: np.ndarray  # [E] (Atari: unclipped)
     game_over: np.ndarray  # [E] the game ended or was cut: log it (Atari: not at each lost life)
 
@@ -616,8 +616,8 @@ def make_update(args, mesh, num_updates):
         # One Rollout per thread; zip(*rollouts) gathers each field's blocks [T (+ 1), E / L, ...].
         r = Rollout(*[jnp.concatenate(field, axis=1) for field in zip(*rollouts)])
         advantages = gae(r.rewards, r.values, r.terminated, r.ended, args.gamma, args.gae_lambda)
-        rows = lambda x: x.reshape(-1, *x.shape[2:])  # [T, E_l, ...] -> [N, ...]
-        samples = jax.tree.map(rows, Samples(obs=r.obs, actions=r.actions, logp_mu=r.logp_mu, values=r.values[:-1],
+        merge = lambda x: x.reshape(-1, *x.shape[2:])  # [T, E_l, ...] -> [N = T x E_l, ...]
+        samples = jax.tree.map(merge, Samples(obs=r.obs, actions=r.actions, logp_mu=r.logp_mu, values=r.values[:-1],
             advantages=advantages, targets=advantages + r.values[:-1], valid=r.valid))
         params, opt_state, key = state
         samples = samples._replace(logp_prox=logp_prox_of(params, samples, args.num_minibatches))
