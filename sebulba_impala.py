@@ -71,9 +71,8 @@ import gymnasium as gym
 warnings.filterwarnings("ignore", message=".*precision lowered.*")  # envpool's CartPole: harmless
 
 
-# Images: the IMPALA paper's values (its appendix G). Vectors: a larger step size, because RMSProp
-# moves each weight by about one step size an update, whatever the gradient's scale, and CartPole's
-# values climb to about 100.
+# Images: the IMPALA paper's values (appendix G). Vectors: a larger step size, since RMSProp moves a
+# weight about one step size an update, whatever the gradient's scale, and CartPole's values reach 100.
 DEFAULTS = {"image": dict(total_timesteps=10_000_000, learning_rate=6e-4, num_steps=20,
                           rmsprop_eps=0.01, network="deep", log_every=10),
             "vector": dict(total_timesteps=300_000, learning_rate=5e-3, num_steps=16,
@@ -388,7 +387,7 @@ def init_state(key, args, env_info, num_updates):
 # ---- One rollout's path, device placements included, as its data flows
 # 1. `actor`, a host thread, collects rollout u, which update u learns from, as the learners make
 #    update u - 1; so it takes the parameters update u - 2 made (`ParamStore.wait`), on its actor
-#    device: one update behind (stats/param_lag), which V-trace corrects. Exactly u - 2:
+#    device: LAG = 1 update behind (stats/param_lag), which V-trace corrects. Exactly u - 2:
 #    with the newest, the version would depend on which thread ran first, and reruns could differ.
 # 2. `collect` steps the envs on the host. jit runs `act` where its inputs (parameters, key) are, on
 #    the actor device; only the actions come to the host each step (np.asarray waits for them),
@@ -408,6 +407,7 @@ def init_state(key, args, env_info, num_updates):
 # Across hosts, thread i of every host gives its E envs to make_array_from_process_local_data (step
 # 3), which makes one array [T, hosts x E, ...]. E.g. with 2 hosts of 2 learners and E = 4, thread
 # i's array has 8 envs, host 0's as 0-3 and host 1's as 4-7, and learner k (0-3) gets 2k and 2k + 1.
+LAG = 1  # the updates an actor is behind: rollout u acts with what update u - 1 - LAG made
 
 class Layout(NamedTuple):
     actor_devices: list  # this host's
@@ -487,7 +487,7 @@ class ParamStore:
         params = {d: jax.device_put(local(params), d) for d in self.devices}
         with self.cond:
             self.versions[version] = params
-            self.versions.pop(version - 2, None)  # rollouts to come act with version - 1 or newer (`actor`)
+            self.versions.pop(version - 1 - LAG, None)  # later rollouts use version - LAG or newer
             self.cond.notify_all()
 
     def wait(self, version, device):
@@ -517,7 +517,7 @@ def actor(args, index, device, mesh, store, rollout_queue, start_update, num_upd
     groups, states = start_groups(args, index, device, start_update)
     to_learners = NamedSharding(mesh, P(None, "learners"))
     for update in range(start_update + 1, num_updates + 1):  # the rollout this update learns from
-        version = max(update - 2, start_update)  # what update u - 2 made (rollout 1: the start's)
+        version = max(update - 1 - LAG, start_update)  # the first two rollouts: the start's
         params = store.wait(version, device)
         stats = ActorStats(returns=[], lengths=[], lag=update - 1 - version, timings=defaultdict(float))
         with timer(stats.timings, "rollout_time"):
@@ -535,7 +535,7 @@ def start_groups(args, index, device, start_update):
         # and other run seeds draw unrelated seeds, where --seed + i would share all but one.
         seeds = np.random.default_rng([args.seed, i]).integers(2**31, size=n).tolist()
         groups.append(make_envs(args, n, seeds))
-        # Each group and each resumed run samples its own stream.
+        # Each group and each resumed run samples its own stream (any distinct numbers would do).
         key = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(args.seed), start_update), 1 + i)
         states.append(ActorState(obs=env_reset(groups[-1]), key=jax.device_put(key, device),
             ended=np.zeros(n, bool), game_return=np.zeros(n), game_length=np.zeros(n, int)))

@@ -1,13 +1,14 @@
 """Runs you can repeat, in both Sebulba scripts: equal flags give equal parameters whatever the load
-(the rollout for update u acts with version u - 2 of the parameters exactly, not the newest), and
-each env's seed is drawn from the run seed, so that two run seeds share no env."""
+(the rollout for update u acts with version u - 1 - LAG = u - 2 of the parameters exactly, not the
+newest, and LAG alone sets it), and each env's seed is drawn from the run seed, so that two run seeds
+share no env."""
 
 import subprocess
 import sys
 
 import pytest
 
-from conftest import checksum, load, run
+from conftest import ROOT, checksum, load, run
 
 BREAKOUT = ["--env-id", "Breakout-v5", "--local-num-envs", 2, "--num-steps", 8, "--num-actor-threads", 2,
             "--total-timesteps", 2 * 2 * 8 * 6, "--log-every", 1]
@@ -66,3 +67,24 @@ def test_no_two_envs_share_a_seed_across_threads_hosts_halves_and_run_seeds(scri
         for (b, _), second in runs.items():
             assert a == b or not first & second, (a, b)  # two run seeds share no env
     assert env_seeds(1, False) == env_seeds(1, False)  # and equal flags give equal seeds
+
+
+# Runs a script with its LAG changed to 2, the way a reader who wants more lag would change it.
+LAG_TWO = """
+import sys, tyro
+sys.path.insert(0, {root!r})
+import {module} as script
+script.LAG = 2
+script.main(tyro.cli(script.Args))
+"""
+
+
+@pytest.mark.parametrize("name", ["impala CartPole", "ppo_atari Breakout"])
+def test_lag_is_set_in_one_place_for_the_actors_and_the_versions_kept(tmp_path, name):
+    script, flags = RUNS[name]
+    wrapper = tmp_path / "lag_two.py"
+    wrapper.write_text(LAG_TWO.format(root=str(ROOT), module=script.removesuffix(".py")))
+    result = run(str(wrapper), flags, tmp_path, timeout=300)  # a version dropped too early: an actor waits forever
+    assert result.returncode == 0, result.output[-3000:]
+    lags = [row["stats/param_lag"] for row in result.metrics]  # rollouts 1 and 2 act with the start's
+    assert lags[:2] == [0, 1] and set(lags[2:]) == {2}, lags
