@@ -10,8 +10,7 @@
                                   a queue of one rollout)    V-trace loss, grads summed
                                <-------------------------  publish: new params to actors
 
-After the first rollout the actors act exactly one update behind (the timeline at the map's end),
-so equal flags give equal parameters however busy the machine.
+Actors act exactly one update behind, so equal flags give equal parameters however busy the machine.
 
 Sections: envs, network, loss, optimizer, one rollout's path (a map heads it), `main`; a first read
 may skip main's checks and the plumbing appendix. New to JAX? Read the rollout's map first, then
@@ -172,14 +171,14 @@ def make_envs(args, num_envs, seeds):
     env_info = describe_env(args.env_id, args.machado)
     if env_info.source == "gymnasium":
         pool = gym.make_vec(args.env_id.rpartition(":")[2], num_envs, vectorization_mode="sync")
-    else:  # all batches step at once: each gets its part of the cores this process may run on,
+    else:  # all env groups step at once: each gets its part of the cores this process may run on,
         # which Linux's sched_getaffinity counts (a container may allow fewer than os.cpu_count()).
-        batches = len(args.actor_device_ids or [0]) * args.num_actor_threads * (1 + args.async_envs)
+        groups = len(args.actor_device_ids or [0]) * args.num_actor_threads * (1 + args.async_envs)
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        threads = min(num_envs, max(1, cores // batches))
+        threads = min(num_envs, max(1, cores // groups))
         pool = envpool.make(args.env_id, env_type="gymnasium", num_envs=num_envs, seed=seeds,
                             num_threads=threads, **(atari_kwargs(args.machado) if env_info.atari else {}))
-    return Envs(pool=pool, env_info=env_info, seeds=seeds)
+    return Envs(pool, env_info, seeds)
 
 def host_obs(obs, env_info):  # images channels first; float64 vectors as float32
     obs = np.moveaxis(obs, -1, 1) if env_info.source == "gymnasium" and obs.ndim == 4 else obs
@@ -296,7 +295,7 @@ def apply(params, obs, network):
     # The layers take one batch axis: merge the leading ([E] or [T + 1, E]), split them at the end.
     one_obs_ndim = 1 if network == "mlp" else 3  # [D] or [C, H, W]
     batch_shape = obs.shape[:obs.ndim - one_obs_ndim]
-    obs = obs.reshape(-1, *obs.shape[len(batch_shape):])
+    obs = obs.reshape(-1, *obs.shape[-one_obs_ndim:])
     policy_h, value_h = features(params["torso"], obs, network)
     logits, value = dense(params["policy"], policy_h), dense(params["value"], value_h)[:, 0]
     return logits.reshape(*batch_shape, -1), value.reshape(batch_shape)
@@ -329,8 +328,7 @@ def vtrace(values, rewards, discounts, rhos, valid, lambda_):
         return correction, correction
 
     # lax.scan, a compiled loop, calls `backward` on each step's inputs, last step first.
-    xs = (deltas, discounts, cs)
-    _, corrections = jax.lax.scan(backward, jnp.zeros_like(values[-1]), xs, reverse=True)
+    _, corrections = jax.lax.scan(backward, jnp.zeros_like(values[-1]), (deltas, discounts, cs), reverse=True)
     vs = values[:-1] + corrections
     vs_next = jnp.concatenate([vs[1:], values[-1:]])
     pg_advantages = valid * clipped_rhos * (rewards + discounts * vs_next - values[:-1])
@@ -359,7 +357,7 @@ def impala_loss(params, rollout, args):
     value_loss = 0.5 * jnp.sum(rollout.valid * (targets.vs - values[:-1]) ** 2)
     entropy_sum = jnp.sum(rollout.valid * entropy(logits[:-1]))
     loss = policy_loss + args.vf_coef * value_loss - args.ent_coef * entropy_sum
-    return loss, Losses(loss=loss, policy_loss=policy_loss, value_loss=value_loss, entropy=entropy_sum)
+    return loss, Losses(loss, policy_loss, value_loss, entropy_sum)
 
 
 # ---- The optimizer and its state
@@ -386,8 +384,8 @@ def init_state(key, args, env_info, num_updates):
 
 # ---- One rollout's path, device placements included, as its data flows
 # 1. `actor`, a host thread, collects rollout u, which update u learns from, as the learners make
-#    update u - 1; so it takes the parameters update u - 2 made (`ParamStore.wait`), on its actor
-#    device: LAG = 1 update behind (stats/param_lag), which V-trace corrects. Exactly u - 2:
+#    update u - 1; so it takes the parameters update u - 2 made (`ParamStore.version_for`), on its
+#    actor device: one update behind (stats/param_lag), which V-trace corrects. Exactly u - 2:
 #    with the newest, the version would depend on which thread ran first, and reruns could differ.
 # 2. `collect` steps the envs on the host. jit runs `act` where its inputs (parameters, key) are, on
 #    the actor device; only the actions come to the host each step (np.asarray waits for them),
@@ -407,12 +405,11 @@ def init_state(key, args, env_info, num_updates):
 # Across hosts, thread i of every host gives its E envs to make_array_from_process_local_data (step
 # 3), which makes one array [T, hosts x E, ...]. E.g. with 2 hosts of 2 learners and E = 4, thread
 # i's array has 8 envs, host 0's as 0-3 and host 1's as 4-7, and learner k (0-3) gets 2k and 2k + 1.
-LAG = 1  # the updates an actor is behind: rollout u acts with what update u - 1 - LAG made
 
 class Layout(NamedTuple):
     actor_devices: list  # this host's
     learner_devices: list  # this host's, in mesh order
-    mesh: Mesh  # all hosts' learners, host by host, along an axis named "learners"
+    mesh: Mesh  # all hosts' learners, host by host, in one row named "learners" (a process group)
 
 def pick_devices(args):
     """The devices that act and learn."""
@@ -439,7 +436,7 @@ def initial_state(args, env_info, layout, num_updates, batch_size):
     state = jax.make_array_from_process_local_data(NamedSharding(layout.mesh, P()), tree)
     return state, int(ckpt["update"]) if ckpt else 0
 
-def local(tree):  # this host's copy of a replicated global array
+def local(tree):  # addressable_data(0): this host's copy of a global array each learner holds whole
     return jax.tree.map(lambda x: x.addressable_data(0), tree)
 
 @partial(jax.jit, static_argnames="network")  # `network` picks code: each value compiles anew
@@ -477,17 +474,21 @@ def timer(timings, name):
     timings[name] += time.perf_counter() - began
 
 class ParamStore:
-    """The parameters on their way back: each version an actor may still ask for, copied to every
-    actor device. An actor waits until the version it asks for has been published."""
+    """The parameters on each actor device, by version, and the version each rollout acts with."""
 
-    def __init__(self, devices):
+    def __init__(self, devices, start_update):
         self.cond, self.devices, self.versions = threading.Condition(), devices, {}
+        self.start = start_update  # the first rollouts act with the start's parameters
+
+    def version_for(self, update):  # rollout u acts with what update u - 2 made (the map's step 1)
+        return max(update - 2, self.start)
 
     def publish(self, version, params):
         params = {d: jax.device_put(local(params), d) for d in self.devices}
         with self.cond:
             self.versions[version] = params
-            self.versions.pop(version - 1 - LAG, None)  # later rollouts use version - LAG or newer
+            # Rollouts to come use version_for(version + 1) or newer: the one below it is done.
+            self.versions.pop(self.version_for(version + 1) - 1, None)
             self.cond.notify_all()
 
     def wait(self, version, device):
@@ -515,9 +516,9 @@ def start_actors(args, layout, store, start_update, num_updates):
 def actor(args, index, device, mesh, store, rollout_queue, start_update, num_updates):
     """Actor thread `index`, numbered over all hosts' threads (no two share an env seed)."""
     groups, states = start_groups(args, index, device, start_update)
-    to_learners = NamedSharding(mesh, P(None, "learners"))
+    to_learners = NamedSharding(mesh, P(None, "learners"))  # the envs (axis 1) split over learners
     for update in range(start_update + 1, num_updates + 1):  # the rollout this update learns from
-        version = max(update - 1 - LAG, start_update)  # the first two rollouts: the start's
+        version = store.version_for(update)
         params = store.wait(version, device)
         stats = ActorStats(returns=[], lengths=[], lag=update - 1 - version, timings=defaultdict(float))
         with timer(stats.timings, "rollout_time"):
@@ -579,7 +580,7 @@ def track_games(state, step, stats):
     over = step.game_over
     stats.returns.extend(game_return[over].tolist())
     stats.lengths.extend(game_length[over].tolist())
-    return ActorState(obs=step.obs, key=state.key, ended=step.ended,
+    return state._replace(obs=step.obs, ended=step.ended,
         game_return=np.where(over, 0.0, game_return), game_length=np.where(over, 0, game_length))
 
 def learn(args, layout, run, store, queues, state, start_update, batch_size):
@@ -630,8 +631,8 @@ def make_update(args, mesh, num_updates):
     # E.g. with 2 learners of 320 steps, the psum of their grads is the gradient of all 640 steps.
     # check_vma=False, as we psum the gradients ourselves: with it on, jax.grad would sum them over
     # the learners itself, as DDP's backward() does, and our psum would then count them L times.
-    specs = dict(in_specs=(P(), P(None, "learners")), out_specs=(P(), P()))
-    return jax.jit(jax.shard_map(learner_update, mesh=mesh, **specs, check_vma=False))
+    return jax.jit(jax.shard_map(learner_update, mesh=mesh, in_specs=(P(), P(None, "learners")),
+                                 out_specs=(P(), P()), check_vma=False))
 
 
 # ---- Metrics, this script's flags, and the run
@@ -708,11 +709,10 @@ def main(args):
     num_updates = args.total_timesteps // batch_size
     state, start_update = initial_state(args, env_info, layout, num_updates, batch_size)
     run = open_run(args, start_update, num_updates)
-    store = ParamStore(layout.actor_devices)
+    store = ParamStore(layout.actor_devices, start_update)
     store.publish(start_update, state.params)
     queues = start_actors(args, layout, store, start_update, num_updates)
-    # A stop (a signal, a diverged run) exits by os._exit: Python's shutdown would abort the
-    # process if an actor thread is inside envpool.
+    # A stop exits by os._exit: Python's shutdown would abort if an actor thread is in envpool.
     try:
         state, row = learn(args, layout, run, store, queues, state, start_update, batch_size)
     except SystemExit as stop:

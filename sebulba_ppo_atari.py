@@ -10,8 +10,7 @@ al. 2017) for Atari.
                                   a queue of one rollout)    GAE, PPO's epochs, grads summed
                                <-------------------------  publish: new params to actors
 
-After the first rollout the actors act exactly one update behind (the timeline at the map's end),
-so equal flags give equal parameters however busy the machine.
+Actors act exactly one update behind, so equal flags give equal parameters however busy the machine.
 
 Sections: envs, network, loss, optimizer, one rollout's path (a map heads it), `main`; a first read
 may skip main's checks and the plumbing appendix. New to JAX? Read the rollout's map first, then
@@ -160,14 +159,14 @@ def make_envs(args, num_envs, seeds):
     env_info = describe_env(args.env_id, args.machado)
     if env_info.source == "gymnasium":
         pool = gym.make_vec(args.env_id.rpartition(":")[2], num_envs, vectorization_mode="sync")
-    else:  # all batches step at once: each gets its part of the cores this process may run on,
+    else:  # all env groups step at once: each gets its part of the cores this process may run on,
         # which Linux's sched_getaffinity counts (a container may allow fewer than os.cpu_count()).
-        batches = len(args.actor_device_ids or [0]) * args.num_actor_threads * (1 + args.async_envs)
+        groups = len(args.actor_device_ids or [0]) * args.num_actor_threads * (1 + args.async_envs)
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        threads = min(num_envs, max(1, cores // batches))
+        threads = min(num_envs, max(1, cores // groups))
         pool = envpool.make(args.env_id, env_type="gymnasium", num_envs=num_envs, seed=seeds,
                             num_threads=threads, **(atari_kwargs(args.machado) if env_info.atari else {}))
-    return Envs(pool=pool, env_info=env_info, seeds=seeds)
+    return Envs(pool, env_info, seeds)
 
 def host_obs(obs, env_info):  # images channels first
     return np.moveaxis(obs, -1, 1) if env_info.source == "gymnasium" else obs
@@ -376,8 +375,8 @@ def init_state(key, args, env_info, num_updates):
 
 # ---- One rollout's path, device placements included, as its data flows
 # 1. `actor`, a host thread, collects rollout u, which update u learns from, as the learners make
-#    update u - 1; so it takes the parameters update u - 2 made (`ParamStore.wait`), on its actor
-#    device: LAG = 1 update behind (stats/param_lag), which decoupled PPO corrects. Exactly u - 2:
+#    update u - 1; so it takes the parameters update u - 2 made (`ParamStore.version_for`), on its
+#    actor device: one update behind (stats/param_lag), which decoupled PPO corrects. Exactly u - 2:
 #    with the newest, the version would depend on which thread ran first, and reruns could differ.
 # 2. `collect` steps the envs on the host. jit runs `act` where its inputs (parameters, key) are, on
 #    the actor device; only the actions come to the host each step (np.asarray waits for them),
@@ -398,12 +397,11 @@ def init_state(key, args, env_info, num_updates):
 # 3), which makes one array [T, hosts x E, ...]. E.g. with 2 hosts of 2 learners and E = 4, thread
 # i's array has 8 envs, host 0's as 0-3 and host 1's as 4-7, and learner k (0-3) gets 2k and 2k + 1.
 # --no-policy-lag: rollout u waits for params u - 1, so actors and learners take turns.
-LAG = 1  # the updates an actor is behind: rollout u acts with what update u - 1 - LAG made
 
 class Layout(NamedTuple):
     actor_devices: list  # this host's
     learner_devices: list  # this host's, in mesh order
-    mesh: Mesh  # all hosts' learners, host by host, along an axis named "learners"
+    mesh: Mesh  # all hosts' learners, host by host, in one row named "learners" (a process group)
 
 def pick_devices(args):
     """The devices that act and learn."""
@@ -430,7 +428,7 @@ def initial_state(args, env_info, layout, num_updates, batch_size):
     state = jax.make_array_from_process_local_data(NamedSharding(layout.mesh, P()), tree)
     return state, int(ckpt["update"]) if ckpt else 0
 
-def local(tree):  # this host's copy of a replicated global array
+def local(tree):  # addressable_data(0): this host's copy of a global array each learner holds whole
     return jax.tree.map(lambda x: x.addressable_data(0), tree)
 
 @jax.jit
@@ -470,17 +468,21 @@ def timer(timings, name):
     timings[name] += time.perf_counter() - began
 
 class ParamStore:
-    """The parameters on their way back: each version an actor may still ask for, copied to every
-    actor device. An actor waits until the version it asks for has been published."""
+    """The parameters on each actor device, by version, and the version each rollout acts with."""
 
-    def __init__(self, devices):
+    def __init__(self, devices, start_update, policy_lag):
         self.cond, self.devices, self.versions = threading.Condition(), devices, {}
+        self.start, self.policy_lag = start_update, policy_lag
+
+    def version_for(self, update):  # rollout u acts with what update u - 2 made (the map's step 1)
+        return max(update - 2 if self.policy_lag else update - 1, self.start)
 
     def publish(self, version, params):
         params = {d: jax.device_put(local(params), d) for d in self.devices}
         with self.cond:
             self.versions[version] = params
-            self.versions.pop(version - 1 - LAG, None)  # later rollouts use version - LAG or newer
+            # Rollouts to come use version_for(version + 1) or newer: the one below it is done.
+            self.versions.pop(self.version_for(version + 1) - 1, None)
             self.cond.notify_all()
 
     def wait(self, version, device):
@@ -508,10 +510,9 @@ def start_actors(args, layout, store, start_update, num_updates):
 def actor(args, index, device, mesh, store, rollout_queue, start_update, num_updates):
     """Actor thread `index`, numbered over all hosts' threads (no two share an env seed)."""
     groups, states = start_groups(args, index, device, start_update)
-    to_learners = NamedSharding(mesh, P(None, "learners"))
+    to_learners = NamedSharding(mesh, P(None, "learners"))  # the envs (axis 1) split over learners
     for update in range(start_update + 1, num_updates + 1):  # the rollout this update learns from
-        # What update u - 2 made (--no-policy-lag: u - 1), or for the first rollouts the start's.
-        version = max(update - 1 - (LAG if args.policy_lag else 0), start_update)
+        version = store.version_for(update)
         params = store.wait(version, device)
         stats = ActorStats(returns=[], lengths=[], lag=update - 1 - version, timings=defaultdict(float))
         with timer(stats.timings, "rollout_time"):
@@ -578,7 +579,7 @@ def track_games(state, step, stats):
     over = step.game_over
     stats.returns.extend(game_return[over].tolist())
     stats.lengths.extend(game_length[over].tolist())
-    return ActorState(obs=step.obs, key=state.key, ended=step.ended,
+    return state._replace(obs=step.obs, ended=step.ended,
         game_return=np.where(over, 0.0, game_return), game_length=np.where(over, 0, game_length))
 
 def learn(args, layout, run, store, queues, state, start_update, batch_size):
@@ -643,8 +644,8 @@ def make_update(args, mesh, num_updates):
     # E.g. 2 learners of 512 samples a minibatch: the psum of their grads is the gradient of 1,024.
     # check_vma=False, as we psum the gradients ourselves: with it on, jax.grad would sum them over
     # the learners itself, as DDP's backward() does, and our psum would then count them L times.
-    specs = dict(in_specs=(P(), P(None, "learners")), out_specs=(P(), P()))
-    return jax.jit(jax.shard_map(learner_update, mesh=mesh, **specs, check_vma=False))
+    return jax.jit(jax.shard_map(learner_update, mesh=mesh, in_specs=(P(), P(None, "learners")),
+                                 out_specs=(P(), P()), check_vma=False))
 
 
 # ---- Metrics, this script's flags, and the run
@@ -718,11 +719,10 @@ def main(args):
     num_updates = args.total_timesteps // batch_size
     state, start_update = initial_state(args, env_info, layout, num_updates, batch_size)
     run = open_run(args, start_update, num_updates)
-    store = ParamStore(layout.actor_devices)
+    store = ParamStore(layout.actor_devices, start_update, args.policy_lag)
     store.publish(start_update, state.params)
     queues = start_actors(args, layout, store, start_update, num_updates)
-    # A stop (a signal, a diverged run) exits by os._exit: Python's shutdown would abort the
-    # process if an actor thread is inside envpool.
+    # A stop exits by os._exit: Python's shutdown would abort if an actor thread is in envpool.
     try:
         state, row = learn(args, layout, run, store, queues, state, start_update, batch_size)
     except SystemExit as stop:

@@ -1,7 +1,7 @@
 """Runs you can repeat, in both Sebulba scripts: equal flags give equal parameters whatever the load
-(the rollout for update u acts with version u - 1 - LAG = u - 2 of the parameters exactly, not the
-newest, and LAG alone sets it), and each env's seed is drawn from the run seed, so that two run seeds
-share no env."""
+(the rollout for update u acts with version u - 2 of the parameters exactly, not the newest, and
+`ParamStore.version_for` alone says so), and each env's seed is drawn from the run seed, so that two
+run seeds share no env."""
 
 import subprocess
 import sys
@@ -69,22 +69,48 @@ def test_no_two_envs_share_a_seed_across_threads_hosts_halves_and_run_seeds(scri
     assert env_seeds(1, False) == env_seeds(1, False)  # and equal flags give equal seeds
 
 
-# Runs a script with its LAG changed to 2, the way a reader who wants more lag would change it.
-LAG_TWO = """
+# Runs a script with its rule changed to act two updates behind, as a reader who wants more lag would.
+TWO_BEHIND = """
 import sys, tyro
 sys.path.insert(0, {root!r})
 import {module} as script
-script.LAG = 2
+script.ParamStore.version_for = lambda self, update: max(update - 3, self.start)
 script.main(tyro.cli(script.Args))
 """
 
 
 @pytest.mark.parametrize("name", ["impala CartPole", "ppo_atari Breakout"])
-def test_lag_is_set_in_one_place_for_the_actors_and_the_versions_kept(tmp_path, name):
+def test_the_version_each_rollout_acts_with_is_set_in_one_place(tmp_path, name):
     script, flags = RUNS[name]
-    wrapper = tmp_path / "lag_two.py"
-    wrapper.write_text(LAG_TWO.format(root=str(ROOT), module=script.removesuffix(".py")))
-    result = run(str(wrapper), flags, tmp_path, timeout=300)  # a version dropped too early: an actor waits forever
+    wrapper = tmp_path / "two_behind.py"
+    wrapper.write_text(TWO_BEHIND.format(root=str(ROOT), module=script.removesuffix(".py")))
+    result = run(str(wrapper), flags, tmp_path, timeout=300)
     assert result.returncode == 0, result.output[-3000:]
-    lags = [row["stats/param_lag"] for row in result.metrics]  # rollouts 1 and 2 act with the start's
+    lags = [row["stats/param_lag"] for row in result.metrics]  # rollouts 1 to 3 act with the start's
     assert lags[:2] == [0, 1] and set(lags[2:]) == {2}, lags
+
+
+# (script, ParamStore's arguments after the devices and start, version_for's replacement or None)
+STORES = {"impala": ("sebulba_impala.py", (), None),
+          "impala, two behind": ("sebulba_impala.py", (), lambda self, update: max(update - 3, self.start)),
+          "ppo_atari": ("sebulba_ppo_atari.py", (True,), None),
+          "ppo_atari --no-policy-lag": ("sebulba_ppo_atari.py", (False,), None),
+          "ppo_atari, two behind": ("sebulba_ppo_atari.py", (True,), lambda self, update: max(update - 3, self.start))}
+
+
+@pytest.mark.parametrize("name", list(STORES))
+def test_publish_keeps_exactly_the_versions_the_rollouts_to_come_act_with(name, monkeypatch):
+    import jax
+    import jax.numpy as jnp
+
+    script, extra, rule = STORES[name]
+    module = load(script)
+    if rule:  # an actor that finds its version dropped would wait forever: in a run, only if it is slow to ask
+        monkeypatch.setattr(module.ParamStore, "version_for", rule)
+    start, device = 5, jax.devices()[0]
+    store = module.ParamStore([device], start, *extra)
+    for version in range(start, start + 8):  # main publishes the start's, then each update its own
+        store.publish(version, {"w": jnp.float32(version)})
+        # Rollouts version + 1 on act with version_for(version + 1) or newer, and none is newer than version yet.
+        assert set(store.versions) == set(range(store.version_for(version + 1), version + 1)), store.versions
+        assert float(store.wait(store.version_for(version + 1), device)["w"]) == store.version_for(version + 1)
