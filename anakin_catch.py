@@ -228,13 +228,13 @@ def rollout(params, lane, args):
 
 
 def lane_loss(params, lane, args):
-    """One lane's rollout, scored with Q(lambda): the colab's `loss_fn`. A loss term goes here.
-    Each device's loss is the mean over its lanes, and `update` pmeans the gradients over devices
-    of equal lane counts. So a mean over the lane's steps, as this loss is, trains on the mean over
-    all steps of all hosts; a term of the parameters alone (an L2 penalty) is the same everywhere
-    and counted once: right as written (add it after `stats`, or td_loss logs it). Moved to a
-    Sebulba script, which psums each learner's sum over its own samples, a `.mean()` term gets L
-    (learners) times the gradient and a term of the parameters alone is counted once per learner."""
+    """One lane's rollout, scored with Q(lambda): the colab's `loss_fn`. `update` differentiates it
+    whole: the Q-values the lane acted on are the ones the loss trains (no no_grad rollout, no
+    second pass). A loss term goes here. `update` pmeans the gradients of each device's mean over
+    its lanes (equal lane counts), so a mean over the lane's steps, as this loss is, trains on the
+    mean over all steps of all hosts, and a term of the parameters alone (an L2 penalty) counts
+    once: add it after `stats`, or td_loss logs it. In a Sebulba script, whose L learners psum their
+    sums, a `.mean()` term gets L times the gradient, a parameter term L times."""
     lane, traj, q_last = rollout(params, lane, args)
     loss = q_lambda_loss(traj.q, q_last, traj.action, traj.reward, traj.done, args.gamma, args.q_lambda)
     stats = Stats(td_loss=loss, q_values=traj.q.mean(), return_sum=traj.ended_return.sum(),
@@ -285,12 +285,12 @@ def make_train(args, mesh):
         return jax.lax.fori_loop(0, n, one_update, (state, zeros))  # a compiled for-loop
 
     # shard_map runs `train` on each device with its share of the inputs (in_specs), as DDP runs a
-    # process per GPU, and joins the devices' results into the outputs (out_specs). In out_specs, P()
-    # promises that every device holds the same value (the params, kept equal by the pmean, and the
-    # psum'ed stats), so JAX returns device 0's copy. We all-reduce the gradients ourselves (the
-    # pmean in `update`), so check_vma=False ("varying manual axes": JAX's record of what differs
-    # by device): with it on, jax.grad would sum the params' gradients over the devices itself, as
-    # DDP's backward() does, and the pmean would give N times the mean. Off, only the pmean reduces.
+    # process per GPU, and joins the devices' results into the outputs (out_specs). In out_specs,
+    # P() promises that every device holds the same value (the params, kept equal by the pmean, and
+    # the psum'ed stats), so JAX returns device 0's copy.
+    # check_vma=False, so the pmean in `update` is the only all-reduce of the gradients: on,
+    # jax.grad would also sum them over the devices, as DDP's backward() does, and give N times the
+    # mean (vma, "varying manual axes": JAX's record of which values differ by device).
     sharded = jax.shard_map(train, mesh=mesh, in_specs=(STATE_SPECS, P()), out_specs=(STATE_SPECS, P()),
                             check_vma=False)
     # donate_argnums=0 lets XLA reuse the old state's memory for the new: the caller never reads it.

@@ -529,10 +529,10 @@ def make_train(args, env, mesh, num_updates):
     # agent, and the same `n` to all; under it, pmean and psum over "devices" reduce each seed's
     # values over the devices, never across seeds. In out_specs, P() is a promise that every device
     # holds the same value (the params, kept equal by the pmean, and the stats, reduced over
-    # devices), so JAX returns device 0's copy. We all-reduce the gradients ourselves (the pmean in
-    # `gradient_steps`), so check_vma=False ("varying manual axes": JAX's record of what differs
-    # by device): with it on, jax.grad would sum the params' gradients over the devices itself, as
-    # DDP's backward() does, and the pmean would give N times the mean. Off, only the pmean reduces.
+    # devices), so JAX returns device 0's copy.
+    # check_vma=False, so the pmean in `gradient_steps` is the only all-reduce of the gradients: on,
+    # jax.grad would also sum them over the devices, as DDP's backward() does, and give N times the
+    # mean (vma, "varying manual axes": JAX's record of which values differ by device).
     sharded = jax.shard_map(jax.vmap(train, in_axes=(0, None)), mesh=mesh, in_specs=(STATE_SPECS, P()),
                             out_specs=(STATE_SPECS, P()), check_vma=False)
     # On the CPU, LLVM's -O1 compiles this program 2-3x faster than its default -O2; it runs as fast.
