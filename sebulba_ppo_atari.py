@@ -10,7 +10,7 @@ al. 2017) for Atari.
                                   a queue of one rollout)    GAE, PPO's epochs, grads summed
                                <-------------------------  publish: new params to actors
 
-Actors act exactly one update behind, so equal flags give equal parameters however busy the machine.
+Rollout u acts with exactly what update u - 2 made, so equal flags repeat however busy the machine.
 
 Sections: envs, network, loss, optimizer, one rollout's path (a map heads it), `main`; a first read
 may skip main's checks and the plumbing appendix. New to JAX? Read the rollout's map first, then
@@ -393,9 +393,8 @@ def init_state(key, args, env_info, num_updates):
 # In time, left to right ("params v": what update v made; params 0: the start's):
 #   actors:    rollout 1, params 0 | rollout 2, params 0 | rollout 3, params 1 | rollout 4, params 2
 #   learners:  wait for rollout 1  | update 1: rollout 1 | update 2: rollout 2 | update 3: rollout 3
-# Across hosts, thread i of every host gives its E envs to make_array_from_process_local_data (step
-# 3), which makes one array [T, hosts x E, ...]. E.g. with 2 hosts of 2 learners and E = 4, thread
-# i's array has 8 envs, host 0's as 0-3 and host 1's as 4-7, and learner k (0-3) gets 2k and 2k + 1.
+# Across hosts, step 3's array of thread i holds every host's E envs, host by host: with 2 hosts of
+# 2 learners and E = 4, host 0's envs are 0-3, host 1's 4-7, and learner k (0-3) gets 2k and 2k + 1.
 # --no-policy-lag: rollout u waits for params u - 1, so actors and learners take turns.
 
 class Layout(NamedTuple):
@@ -472,16 +471,17 @@ class ParamStore:
 
     def __init__(self, devices, start_update, policy_lag):
         self.cond, self.devices, self.versions = threading.Condition(), devices, {}
-        self.start, self.policy_lag = start_update, policy_lag
+        self.start_update, self.policy_lag = start_update, policy_lag
 
     def version_for(self, update):  # rollout u acts with what update u - 2 made (the map's step 1)
-        return max(update - 2 if self.policy_lag else update - 1, self.start)
+        return max(update - 2 if self.policy_lag else update - 1, self.start_update)
 
     def publish(self, version, params):
         params = {d: jax.device_put(local(params), d) for d in self.devices}
         with self.cond:
             self.versions[version] = params
-            # Rollouts to come use version_for(version + 1) or newer: the one below it is done.
+            # Rollouts to come (version + 1 on) act with version_for(version + 1) or newer, so the
+            # one below it is done: publish(5) drops 3, as rollout 6 acts with 4 and rollout 7 with 5.
             self.versions.pop(self.version_for(version + 1) - 1, None)
             self.cond.notify_all()
 

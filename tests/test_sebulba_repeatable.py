@@ -69,12 +69,17 @@ def test_no_two_envs_share_a_seed_across_threads_hosts_halves_and_run_seeds(scri
     assert env_seeds(1, False) == env_seeds(1, False)  # and equal flags give equal seeds
 
 
-# Runs a script with its rule changed to act two updates behind, as a reader who wants more lag would.
+def two_behind(store, update):  # the rule a reader who wants more lag would write: update u - 3's
+    return max(update - 3, store.start_update)
+
+
+# Runs a script with its ParamStore.version_for replaced by two_behind.
 TWO_BEHIND = """
 import sys, tyro
-sys.path.insert(0, {root!r})
+sys.path[:0] = [{root!r}, {tests!r}]
 import {module} as script
-script.ParamStore.version_for = lambda self, update: max(update - 3, self.start)
+from test_sebulba_repeatable import two_behind
+script.ParamStore.version_for = two_behind
 script.main(tyro.cli(script.Args))
 """
 
@@ -83,7 +88,7 @@ script.main(tyro.cli(script.Args))
 def test_the_version_each_rollout_acts_with_is_set_in_one_place(tmp_path, name):
     script, flags = RUNS[name]
     wrapper = tmp_path / "two_behind.py"
-    wrapper.write_text(TWO_BEHIND.format(root=str(ROOT), module=script.removesuffix(".py")))
+    wrapper.write_text(TWO_BEHIND.format(root=str(ROOT), tests=str(ROOT / "tests"), module=script.removesuffix(".py")))
     result = run(str(wrapper), flags, tmp_path, timeout=300)
     assert result.returncode == 0, result.output[-3000:]
     lags = [row["stats/param_lag"] for row in result.metrics]  # rollouts 1 to 3 act with the start's
@@ -92,10 +97,10 @@ def test_the_version_each_rollout_acts_with_is_set_in_one_place(tmp_path, name):
 
 # (script, ParamStore's arguments after the devices and start, version_for's replacement or None)
 STORES = {"impala": ("sebulba_impala.py", (), None),
-          "impala, two behind": ("sebulba_impala.py", (), lambda self, update: max(update - 3, self.start)),
+          "impala, two behind": ("sebulba_impala.py", (), two_behind),
           "ppo_atari": ("sebulba_ppo_atari.py", (True,), None),
           "ppo_atari --no-policy-lag": ("sebulba_ppo_atari.py", (False,), None),
-          "ppo_atari, two behind": ("sebulba_ppo_atari.py", (True,), lambda self, update: max(update - 3, self.start))}
+          "ppo_atari, two behind": ("sebulba_ppo_atari.py", (True,), two_behind)}
 
 
 @pytest.mark.parametrize("name", list(STORES))
