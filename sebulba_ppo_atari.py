@@ -10,17 +10,18 @@ al. 2017) for Atari.
                                   a queue of one rollout)    GAE, PPO's epochs, grads summed
                                <-------------------------  publish: new params to actors
 
-Rollout u acts with exactly what update u - 2 made, so equal flags repeat however busy the machine.
+Rollout u acts with update u - 2's parameters while update u - 1 is made: equal flags, equal agent.
 
 Sections: envs, network, loss, optimizer, one rollout's path (a map heads it), `main`; a first read
 may skip main's checks and the plumbing appendix. New to JAX? Read the rollout's map first, then
 `actor`, `collect`, `learn`, `make_update`, `ParamStore`, with the network and loss as black boxes.
-Where to change: the network in `init_params` and `apply`, the loss in `ppo_loss` (whose
-docstring says how a term adds up across learners), the env in `describe_env`, `make_envs` and
-the `env_*` functions (a gymnasium env needs no change: `--env-id mypkg:MyEnv-v0`).
+Where to change: the network in `init_params` and `apply`, the loss in `ppo_loss` (its
+docstring says how to add a term), the env in `describe_env`, `make_envs` and the `env_*` functions.
 In PyTorch terms: `shard_map` runs the update on every learner at once, each on its share of the
 data, as DDP runs a process per GPU; `psum` over "learners" is all_reduce with SUM (not DDP's mean:
-each learner's loss is its share of the global loss); `P` says which part of an array each holds.
+each learner's loss is its share of the global loss). The `Mesh` is the learners' process group,
+`NamedSharding(mesh, P(...))` which part of an array each holds (P(): all), `addressable_data(0)`
+this host's copy, `make_array_from_process_local_data` one array from the hosts' numpy parts.
 A pytree is any nesting of tuples, lists, dicts and NamedTuples of arrays: JAX acts on its leaves.
 
     python sebulba_ppo_atari.py --env-id Breakout-v5
@@ -93,7 +94,7 @@ class Args:
     ent_coef: float = 0.01  # entropy bonus weight
     vf_coef: float = 0.5  # value loss weight
     max_grad_norm: float = 0.5  # global-norm gradient clipping
-    policy_lag: bool = True  # act exactly one update behind (--no-policy-lag: wait for the newest)
+    policy_lag: bool = True  # rollout u acts with update u - 2's params (--no-policy-lag: u - 1's)
     machado: bool = False  # Atari as Machado et al. (2018): sticky actions, all 18, no life loss
     log_every: int = 1  # updates between metrics rows
     checkpoint_every: int = 50  # updates between checkpoints (and one at the end)
@@ -161,9 +162,9 @@ def make_envs(args, num_envs, seeds):
         pool = gym.make_vec(args.env_id.rpartition(":")[2], num_envs, vectorization_mode="sync")
     else:  # all env groups step at once: each gets its part of the cores this process may run on,
         # which Linux's sched_getaffinity counts (a container may allow fewer than os.cpu_count()).
-        groups = len(args.actor_device_ids or [0]) * args.num_actor_threads * (1 + args.async_envs)
+        n_groups = len(args.actor_device_ids or [0]) * args.num_actor_threads * (1 + args.async_envs)
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        threads = min(num_envs, max(1, cores // groups))
+        threads = min(num_envs, max(1, cores // n_groups))
         pool = envpool.make(args.env_id, env_type="gymnasium", num_envs=num_envs, seed=seeds,
                             num_threads=threads, **(atari_kwargs(args.machado) if env_info.atari else {}))
     return Envs(pool, env_info, seeds)
@@ -400,7 +401,7 @@ def init_state(key, args, env_info, num_updates):
 class Layout(NamedTuple):
     actor_devices: list  # this host's
     learner_devices: list  # this host's, in mesh order
-    mesh: Mesh  # all hosts' learners, host by host, in one row named "learners" (a process group)
+    mesh: Mesh  # all hosts' learners, host by host, along an axis named "learners"
 
 def pick_devices(args):
     """The devices that act and learn."""
@@ -419,8 +420,7 @@ def pick_devices(args):
                   learner_devices=[mine[i] for i in learners], mesh=mesh)
 
 def initial_state(args, env_info, layout, num_updates, batch_size):
-    """The TrainState (new or --resume's) on every learner, and its update. A jax.Array may span
-    devices and hosts; each host gives the data of its own devices (P(): each holds all of it)."""
+    """The TrainState (new or --resume's), whole on every learner (P()), and its update."""
     init = partial(init_state, jax.random.PRNGKey(args.seed), args, env_info, num_updates)
     ckpt = resumed(args, jax.eval_shape(init), num_updates, batch_size) if args.resume else None
     tree = ckpt["state"] if ckpt else jax.device_get(init())  # the same on every host
@@ -481,7 +481,7 @@ class ParamStore:
         with self.cond:
             self.versions[version] = params
             # Rollouts to come (version + 1 on) act with version_for(version + 1) or newer, so the
-            # one below it is done: publish(5) drops 3, as rollout 6 acts with 4 and rollout 7 with 5.
+            # one below it is done: publish(5) drops 3, as rollout 6 acts with 4, rollout 7 with 5.
             self.versions.pop(self.version_for(version + 1) - 1, None)
             self.cond.notify_all()
 
