@@ -10,7 +10,10 @@
                                   a queue of one rollout)    V-trace loss, grads summed
                                <-------------------------  publish: new params to actors
 
-Rollout u acts with update u - 2's parameters while update u - 1 is made: equal flags, equal agent.
+Rollout u acts with what update u - 2 made, exactly (stats/param_lag 1; never the newest, so equal
+flags train an equal agent however busy the machine). In time ("params v": what update v made):
+    actors:    rollout 1, params 0 | rollout 2, params 0 | rollout 3, params 1 | rollout 4, params 2
+    learners:  wait for rollout 1  | update 1: rollout 1 | update 2: rollout 2 | update 3: rollout 3
 
 Sections: envs, network, loss, optimizer, one rollout's path (a map heads it), `main`; a first read
 may skip main's checks and the plumbing appendix. New to JAX? Read the rollout's map first, then
@@ -342,9 +345,9 @@ class Losses(NamedTuple):
     entropy: jax.Array
 
 def impala_loss(params, rollout, args):
-    """Summed over this learner's valid steps, as in the IMPALA paper (a coefficient weighs against
-    the sum): a mean's gradients, batch size times smaller, would sit below the images' RMSProp
-    epsilon 0.01. The psum in `learner_update` adds the L learners' sums and gradients: each
+    """Summed over this learner's valid steps, as in the IMPALA paper, whose coefficients (vf_coef,
+    ent_coef) weigh sums: a mean's gradients, batch size times smaller, would sit below the images'
+    RMSProp epsilon 0.01. The psum in `learner_update` adds the L learners' sums and gradients: each
     learner's sum is its share of the global batch's.
     A term you add must be a share too. Not a .mean() of this learner's steps: the psum adds L
     means. A term of the parameters alone (an L2 penalty) every learner counts, so divide it by L:
@@ -400,9 +403,6 @@ def init_state(key, args, env_info, num_updates):
 #    [17, 16, 4] for CartPole-v1, the learner joins [17, 32, 4], and the loss sums 16 x 32 steps.
 # 5. `ParamStore.publish` copies the new parameters to each actor device, for step 1. JAX returns
 #    before the device is done: an actor's `act` may wait for them.
-# In time, left to right ("params v": what update v made; params 0: the start's):
-#   actors:    rollout 1, params 0 | rollout 2, params 0 | rollout 3, params 1 | rollout 4, params 2
-#   learners:  wait for rollout 1  | update 1: rollout 1 | update 2: rollout 2 | update 3: rollout 3
 # Across hosts, step 3's array of thread i holds every host's E envs, host by host: with 2 hosts of
 # 2 learners and E = 4, host 0's envs are 0-3, host 1's 4-7, and learner k (0-3) gets 2k and 2k + 1.
 

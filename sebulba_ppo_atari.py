@@ -10,7 +10,10 @@ al. 2017) for Atari.
                                   a queue of one rollout)    GAE, PPO's epochs, grads summed
                                <-------------------------  publish: new params to actors
 
-Rollout u acts with update u - 2's parameters while update u - 1 is made: equal flags, equal agent.
+Rollout u acts with what update u - 2 made, exactly (stats/param_lag 1; never the newest, so equal
+flags train an equal agent however busy the machine). In time ("params v": what update v made):
+    actors:    rollout 1, params 0 | rollout 2, params 0 | rollout 3, params 1 | rollout 4, params 2
+    learners:  wait for rollout 1  | update 1: rollout 1 | update 2: rollout 2 | update 3: rollout 3
 
 Sections: envs, network, loss, optimizer, one rollout's path (a map heads it), `main`; a first read
 may skip main's checks and the plumbing appendix. New to JAX? Read the rollout's map first, then
@@ -391,9 +394,6 @@ def init_state(key, args, env_info, num_updates):
 #    [T, E, ...] = [128, 16, 4, 84, 84] into [128, 32, ...]: 4,096 samples, minibatches of 1,024.
 # 5. `ParamStore.publish` copies the new parameters to each actor device, for step 1. JAX returns
 #    before the device is done: an actor's `act` may wait for them.
-# In time, left to right ("params v": what update v made; params 0: the start's):
-#   actors:    rollout 1, params 0 | rollout 2, params 0 | rollout 3, params 1 | rollout 4, params 2
-#   learners:  wait for rollout 1  | update 1: rollout 1 | update 2: rollout 2 | update 3: rollout 3
 # Across hosts, step 3's array of thread i holds every host's E envs, host by host: with 2 hosts of
 # 2 learners and E = 4, host 0's envs are 0-3, host 1's 4-7, and learner k (0-3) gets 2k and 2k + 1.
 # --no-policy-lag: rollout u waits for params u - 1, so actors and learners take turns.
