@@ -10,8 +10,9 @@
                                   a queue of one rollout)    V-trace loss, grads summed
                                <-------------------------  publish: new params to actors
 
-Rollout u acts with what update u - 2 made, exactly (stats/param_lag 1; never the newest, so equal
-flags train an equal agent however busy the machine). In time ("params v": what update v made):
+Rollout u, which update u learns from, is collected while update u - 1 runs, so it acts with what
+update u - 2 made: stats/param_lag (u - 1) - (u - 2) = 1. Exactly u - 2, never the newest, so equal
+flags train an equal agent however busy the machine. In time ("params v": update v's):
     actors:    rollout 1, params 0 | rollout 2, params 0 | rollout 3, params 1 | rollout 4, params 2
     learners:  wait for rollout 1  | update 1: rollout 1 | update 2: rollout 2 | update 3: rollout 3
 
@@ -387,10 +388,9 @@ def init_state(key, args, env_info, num_updates):
 
 
 # ---- One rollout's path, device placements included, as its data flows
-# 1. `actor`, a host thread, collects rollout u, which update u learns from, as the learners make
-#    update u - 1; so it takes the parameters update u - 2 made (`ParamStore.version_for`), on its
-#    actor device: one update behind (stats/param_lag), which V-trace corrects. Exactly u - 2:
-#    with the newest, the version would depend on which thread ran first, and reruns could differ.
+# 1. `actor`, a host thread, collects rollout u with the parameters update u - 2 made
+#    (`ParamStore.version_for`) on its actor device: the newest would depend on which thread ran
+#    first, and reruns could differ. V-trace corrects the lag.
 # 2. `collect` steps the envs on the host. jit runs `act` where its inputs (parameters, key) are, on
 #    the actor device; only the actions come to the host each step (np.asarray waits for them),
 #    the logits at the rollout's end (one device_get).
