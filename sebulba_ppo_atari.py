@@ -642,8 +642,8 @@ def make_update(args, mesh, num_updates):
 
     # In out_specs, P() promises that all learners return the same value: the psum makes it so.
     # E.g. 2 learners of 512 samples a minibatch: the psum of their grads is the gradient of 1,024.
-    # check_vma=False, as we psum the gradients ourselves: with it on, jax.grad would sum them over
-    # the learners itself, as DDP's backward() does, and our psum would then count them L times.
+    # check_vma=False: on, JAX records which values vary by learner (vma), and jax.grad sums the
+    # gradients over learners itself, like DDP's backward(): our psum would count them L times.
     return jax.jit(jax.shard_map(learner_update, mesh=mesh, in_specs=(P(), P(None, "learners")),
                                  out_specs=(P(), P()), check_vma=False))
 
