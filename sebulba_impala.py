@@ -11,8 +11,8 @@
                                <-------------------------  publish: new params to actors
 
 Rollout u, which update u learns from, is collected while update u - 1 runs, so it acts with what
-update u - 2 made: stats/param_lag (u - 1) - (u - 2) = 1. Exactly u - 2, never the newest, so equal
-flags train an equal agent however busy the machine. In time ("params v": update v's):
+update u - 2 made: stats/param_lag (u - 1) - (u - 2) = 1. Exactly u - 2, not whichever is newest,
+so equal flags train an equal agent however busy the machine. In time ("params v": update v's):
     actors:    rollout 1, params 0 | rollout 2, params 0 | rollout 3, params 1 | rollout 4, params 2
     learners:  wait for rollout 1  | update 1: rollout 1 | update 2: rollout 2 | update 3: rollout 3
 
@@ -296,14 +296,9 @@ def features(p, obs, network):  # obs [N, *obs_shape] -> policy, value features 
     return x, x  # shared by both heads
 
 def apply(params, obs, network):
-    """obs [..., *obs_shape] -> (policy logits [..., A], value [...])."""
-    # The layers take one batch axis: merge the leading ([E] or [T + 1, E]), split them at the end.
-    one_obs_ndim = 1 if network == "mlp" else 3  # [D] or [C, H, W]
-    batch_shape = obs.shape[:obs.ndim - one_obs_ndim]
-    obs = obs.reshape(-1, *obs.shape[-one_obs_ndim:])
+    """obs [N, *obs_shape] -> (policy logits [N, A], value [N])."""
     policy_h, value_h = features(params["torso"], obs, network)
-    logits, value = dense(params["policy"], policy_h), dense(params["value"], value_h)[:, 0]
-    return logits.reshape(*batch_shape, -1), value.reshape(batch_shape)
+    return dense(params["policy"], policy_h), dense(params["value"], value_h)[:, 0]
 
 def log_prob(logits, actions):
     return jnp.take_along_axis(jax.nn.log_softmax(logits), actions[..., None], -1)[..., 0]
@@ -327,7 +322,7 @@ def vtrace(values, rewards, discounts, rhos, valid, lambda_):
     cs = lambda_ * clipped_rhos * valid
     deltas = valid * clipped_rhos * (rewards + discounts * values[1:] - values[:-1])
 
-    def backward(correction, x):  # correction = v_{s+1} - V(x_{s+1})
+    def backward(correction, x):  # carries v_{s+1} - V(x_{s+1}) in, v_s - V(x_s) out
         delta, discount, c = x
         correction = delta + discount * c * correction
         return correction, correction
@@ -353,7 +348,11 @@ def impala_loss(params, rollout, args):
     A term you add must be a share too. Not a .mean() of this learner's steps: the psum adds L
     means. A term of the parameters alone (an L2 penalty) every learner counts, so divide it by L:
     `loss += coef * sum(jnp.sum(w ** 2) for w in jax.tree.leaves(params)) / jax.lax.psum(1, "learners")`."""
-    logits, values = apply(params, rollout.obs, args.network)  # [T+1, E, A], [T+1, E]
+    # The network takes one batch axis: merge time and envs into it, then split them again, to
+    # logits [T+1, E, A] and values [T+1, E].
+    obs, time_envs = rollout.obs, rollout.obs.shape[:2]
+    logits, values = apply(params, obs.reshape(-1, *obs.shape[2:]), args.network)
+    logits, values = logits.reshape(*time_envs, -1), values.reshape(time_envs)
     logp_taken = log_prob(logits[:-1], rollout.actions)  # log pi
     rhos = jnp.exp(logp_taken - log_prob(rollout.logits, rollout.actions))
     discounts = args.gamma * (1.0 - rollout.terminated)

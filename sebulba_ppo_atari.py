@@ -11,8 +11,8 @@ al. 2017) for Atari.
                                <-------------------------  publish: new params to actors
 
 Rollout u, which update u learns from, is collected while update u - 1 runs, so it acts with what
-update u - 2 made: stats/param_lag (u - 1) - (u - 2) = 1. Exactly u - 2, never the newest, so equal
-flags train an equal agent however busy the machine. In time ("params v": update v's):
+update u - 2 made: stats/param_lag (u - 1) - (u - 2) = 1. Exactly u - 2, not whichever is newest,
+so equal flags train an equal agent however busy the machine. In time ("params v": update v's):
     actors:    rollout 1, params 0 | rollout 2, params 0 | rollout 3, params 1 | rollout 4, params 2
     learners:  wait for rollout 1  | update 1: rollout 1 | update 2: rollout 2 | update 3: rollout 3
 

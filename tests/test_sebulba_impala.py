@@ -168,7 +168,7 @@ def test_impala_loss_pieces_are_sums_over_valid_steps_matching_numpy(impala):
     args = impala.Args(gamma=gamma, vtrace_lambda=lam, vf_coef=vf_coef, ent_coef=ent_coef, network="mlp")
     _, info = jax.jit(lambda params, batch: impala.impala_loss(params, batch, args))(params, batch)
 
-    logits, values = (np.asarray(x, np.float64) for x in impala.apply(params, batch.obs, "mlp"))
+    logits, values = (np.asarray(x, np.float64) for x in jax.vmap(impala.apply, (None, 0, None))(params, batch.obs, "mlp"))
     logp = logits[:-1] - np.log(np.exp(logits[:-1]).sum(-1, keepdims=True))
     mu = batch.logits - np.log(np.exp(batch.logits).sum(-1, keepdims=True))
     taken = lambda x: np.take_along_axis(x, batch.actions[..., None], -1)[..., 0]  # noqa: E731
@@ -192,8 +192,8 @@ def test_image_observations_get_the_impala_resnet(impala):
     assert [sorted(torso[f"stack{i}"]) for i in range(3)] == [["block0", "block1", "conv"]] * 3
     assert torso["dense"]["w"].shape == (11 * 11 * 32, 256)  # 84 -> 42 -> 21 -> 11 after three pools
     logits, value = jax.eval_shape(partial(impala.apply, network="deep"), params,
-                                   jax.ShapeDtypeStruct((3, 2, 4, 84, 84), np.uint8))
-    assert logits.shape == (3, 2, 6) and value.shape == (3, 2)
+                                   jax.ShapeDtypeStruct((3, 4, 84, 84), np.uint8))
+    assert logits.shape == (3, 6) and value.shape == (3,)
 
 
 def test_shallow_network_is_the_papers_two_conv_cnn(impala):
@@ -205,8 +205,8 @@ def test_shallow_network_is_the_papers_two_conv_cnn(impala):
     assert torso["dense"]["w"].shape == (9 * 9 * 32, 256)  # 84 -> 20 -> 9, no padding
     assert sorted(torso) == ["conv0", "conv1", "dense"]
     logits, value = jax.eval_shape(partial(impala.apply, network="shallow"), params,
-                                   jax.ShapeDtypeStruct((3, 2, 4, 84, 84), np.uint8))
-    assert logits.shape == (3, 2, 6) and value.shape == (3, 2)
+                                   jax.ShapeDtypeStruct((3, 4, 84, 84), np.uint8))
+    assert logits.shape == (3, 6) and value.shape == (3,)
 
 
 def test_uint8_frames_are_scaled_and_other_images_enter_as_they_are(impala):
