@@ -10,6 +10,8 @@
   `spawn_two_hosts` starts them without waiting (for the test that signals one host).
 - `spawn(script, args, cwd)`: start a script without waiting (for signal tests), and
   `catches(proc, signum)`: whether it has installed its handler for that signal yet.
+- `patched(script, patch, path)`: write a program that runs the script with some of its functions
+  replaced (a fault, a probe, a loss term a student would add), to `run` like the script itself.
 - `checksum(output)`: the parameter checksum a script prints at the end of a run.
 - `error_line(result)`: the one `error:` line of a run refused with exit status 2.
 """
@@ -109,6 +111,16 @@ def spawn(script, args, cwd, devices=1, env=None):
     """Start a script as a subprocess (output on `.stdout`, text) and return the Popen."""
     return subprocess.Popen(command(script, args), cwd=cwd, env=_env(devices, env),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def patched(script, patch, path, after=""):
+    """Write to `path` a program that imports `script` as the module `script` (as `python script`
+    would run it, its stop handlers included), runs the Python source `patch`, which replaces some of
+    the module's functions, then `script.main` on the command line's flags, then `after`. The failure
+    or the measurement goes in from outside: the scripts carry no test-only flag or hook."""
+    path.write_text(f"import sys, tyro\nsys.path[:0] = [{str(ROOT)!r}, {str(ROOT / 'tests')!r}]\n"
+                    f"import {Path(script).stem} as script\n{patch}\nscript.main(tyro.cli(script.Args))\n{after}\n")
+    return path
 
 
 def free_port():

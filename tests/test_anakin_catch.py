@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import ROOT, checksum, error_line, load, run, run_two_hosts, spawn
+from conftest import checksum, error_line, load, patched, run, run_two_hosts, spawn
 
 catch = load("anakin_catch.py")
 SCRIPT = "anakin_catch.py"
@@ -181,39 +181,26 @@ def test_splitting_envs_over_devices_gives_the_same_updates(tmp_path):
             np.testing.assert_allclose(other[name], params[0][name], atol=2e-5, err_msg=name)
 
 
-# The script run with an L2 penalty on the parameters added to `lane_loss`, as a student would add a
-# loss term: argv[1] is its coefficient, the rest the script's flags.
-WITH_L2 = f'''
-import sys
-import jax
-import jax.numpy as jnp
-import tyro
-sys.path.insert(0, {str(ROOT / "tests")!r})
-from conftest import load
-
-catch = load("anakin_catch.py")
-coef, lane_loss = float(sys.argv[1]), catch.lane_loss
-
-
+# An L2 penalty on the parameters added to `lane_loss`, as a student would add a loss term.
+WITH_L2 = """
+import jax, jax.numpy as jnp
+lane_loss = script.lane_loss
 def lane_loss_with_l2(params, lane, args):
     loss, aux = lane_loss(params, lane, args)
-    return loss + coef * sum(jnp.sum(w**2) for w in jax.tree.leaves(params)), aux
-
-
-catch.lane_loss = lane_loss_with_l2
-catch.main(tyro.cli(catch.Args, args=sys.argv[2:]))
-'''
+    return loss + {coef} * sum(jnp.sum(w**2) for w in jax.tree.leaves(params)), aux
+script.lane_loss = lane_loss_with_l2
+"""
 
 
 def test_an_l2_penalty_added_to_lane_loss_counts_once_on_any_device_count(tmp_path):
     """lane_loss's rule: the term is right as written, so 2 devices make the updates of 1. Counted once
     per device, it would weigh twice as much on 2 devices: the run of 1 device with twice the
     coefficient shows that the comparison would see it."""
-    (tmp_path / "with_l2.py").write_text(WITH_L2)
     coef, params = 1e-3, {}
     for devices, c in ((1, coef), (2, coef), (1, 2 * coef)):
+        with_l2 = patched(SCRIPT, WITH_L2.format(coef=c), tmp_path / f"with_l2_{c}.py")
         flags = ["--num-envs-per-device", ENVS // devices, "--total-timesteps", 10 * STEPS_PER_UPDATE]
-        result = run(tmp_path / "with_l2.py", [c, *flags], tmp_path / f"{devices}_{c}", devices=devices)
+        result = run(with_l2, flags, tmp_path / f"{devices}_{c}", devices=devices)
         assert result.returncode == 0, result.output[-3000:]
         params[devices, c] = final_params(result)
     one, two, doubled = params[1, coef], params[2, coef], params[1, 2 * coef]

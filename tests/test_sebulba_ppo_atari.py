@@ -9,7 +9,7 @@ from collections import defaultdict
 import numpy as np
 import pytest
 
-from conftest import ROOT, checksum, error_line, load, run, run_two_hosts, spawn
+from conftest import checksum, error_line, load, patched, run, run_two_hosts, spawn
 
 SCRIPT = "sebulba_ppo_atari.py"
 # A tiny Breakout run: 8 steps x 4 envs per actor thread, one epoch of two minibatches.
@@ -304,19 +304,11 @@ def test_minatar_breakout_from_bool_images_beats_random_play(tmp_path):
 
 # ---- Faults, Ctrl-C, bad input, resume -------------------------------------------------------
 
-# Faults are injected from outside: a wrapper imports the script as a module, patches one
-# function, then calls its main. The script carries no test-only flag or hook, and the failure
-# travels through its real error paths (an envpool step raising inside an actor thread; the
-# learner's per-update batch assembly raising in the main thread).
-WRAPPER = """
-import sys, time, tyro
-from pathlib import Path
-sys.path.insert(0, {root!r})
-import envpool, sebulba_ppo_atari as ppo
-{patch}
-ppo.main(tyro.cli(ppo.Args))
-"""
+# Faults go in from outside (`patched`), and travel through the script's real error paths: an
+# envpool step raising inside an actor thread, a publish raising in the main thread.
 ENV_FAULT = """
+import time, envpool
+from pathlib import Path
 make = envpool.make
 def faulty_make(*args, **kwargs):
     envs, calls = make(*args, **kwargs), [0]
@@ -333,23 +325,24 @@ def faulty_make(*args, **kwargs):
 envpool.make = faulty_make
 """
 LEARNER_FAULT = """
-publish, calls = ppo.ParamStore.publish, [0]
+import time
+from pathlib import Path
+publish, calls = script.ParamStore.publish, [0]
 def faulty_publish(*args):  # on the main thread: in `main`, then after each update
     calls[0] += 1
     if calls[0] == 3:
         Path("fault_time").write_text(str(time.time()))
         raise RuntimeError("injected learner fault")
     return publish(*args)
-ppo.ParamStore.publish = faulty_publish
+script.ParamStore.publish = faulty_publish
 """
 
 
 @pytest.mark.parametrize("patch,message", [(ENV_FAULT, "injected env fault"),
                                            (LEARNER_FAULT, "injected learner fault")])
 def test_a_failing_thread_ends_the_run_with_its_traceback(tmp_path, patch, message):
-    wrapper = tmp_path / "wrapper.py"
-    wrapper.write_text(WRAPPER.format(root=str(ROOT), patch=patch))
-    result = run(str(wrapper), [*TINY, "--total-timesteps", 100_000], tmp_path, timeout=300)
+    wrapper = patched(SCRIPT, patch, tmp_path / "wrapper.py")
+    result = run(wrapper, [*TINY, "--total-timesteps", 100_000], tmp_path, timeout=300)
     ended = time.time()
     assert result.returncode not in (0, None), result.output[-3000:]
     assert "Traceback" in result.output and message in result.output, result.output[-3000:]

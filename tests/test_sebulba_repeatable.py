@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, checksum, load, run
+from conftest import checksum, load, patched, run
 
 BREAKOUT = ["--env-id", "Breakout-v5", "--local-num-envs", 2, "--num-steps", 8, "--num-actor-threads", 2,
             "--total-timesteps", 2 * 2 * 8 * 6, "--log-every", 1]
@@ -73,23 +73,16 @@ def two_behind(store, update):  # the rule a reader who wants more lag would wri
     return max(update - 3, store.start_update)
 
 
-# Runs a script with its ParamStore.version_for replaced by two_behind.
 TWO_BEHIND = """
-import sys, tyro
-sys.path[:0] = [{root!r}, {tests!r}]
-import {module} as script
 from test_sebulba_repeatable import two_behind
 script.ParamStore.version_for = two_behind
-script.main(tyro.cli(script.Args))
 """
 
 
 @pytest.mark.parametrize("name", ["impala CartPole", "ppo_atari Breakout"])
 def test_the_version_each_rollout_acts_with_is_set_in_one_place(tmp_path, name):
     script, flags = RUNS[name]
-    wrapper = tmp_path / "two_behind.py"
-    wrapper.write_text(TWO_BEHIND.format(root=str(ROOT), tests=str(ROOT / "tests"), module=script.removesuffix(".py")))
-    result = run(str(wrapper), flags, tmp_path, timeout=300)
+    result = run(patched(script, TWO_BEHIND, tmp_path / "two_behind.py"), flags, tmp_path, timeout=300)
     assert result.returncode == 0, result.output[-3000:]
     lags = [row["stats/param_lag"] for row in result.metrics]  # rollouts 1 to 3 act with the start's
     assert lags[:2] == [0, 1] and set(lags[2:]) == {2}, lags

@@ -11,17 +11,13 @@ import json
 
 import pytest
 
-from conftest import ROOT, run_two_hosts
+from conftest import patched, run_two_hosts
 
-# Imports the script as a module, stamps the rollout `collect` returns (rewards: host * 100 + thread * 10
+# Stamps the rollout `collect` returns (rewards: host * 100 + thread * 10
 # + env) and records, inside the compiled update, the stamps each learner (its index on the mesh) joined.
 PROBE = '''
-import json, sys, threading
-import jax, numpy as np, tyro
-sys.path.insert(0, {tests!r})
-from conftest import load
-
-script = load(sys.argv[1])
+import threading
+import jax, numpy as np
 collect, observed, records = script.collect, script.{observed}, []
 
 def stamped(*args):
@@ -36,10 +32,8 @@ def observing(*args):
     return observed(*args)
 
 script.collect, script.{observed} = stamped, observing
-script.main(tyro.cli(script.Args, args=sys.argv[2:]))
-jax.effects_barrier()
-print("joined", json.dumps(records), flush=True)
 '''
+REPORT = 'import json\njax.effects_barrier()\nprint("joined", json.dumps(records), flush=True)'  # after main
 # Per host: 2 actor threads on device 0, 4 envs each, learners on devices 1 and 2: each of the 4 learners
 # joins 2 envs of each thread of its host.
 HOSTS, THREADS, ENVS, LEARNERS, STEPS, UPDATES = 2, 2, 4, 2, 4, 2
@@ -55,10 +49,9 @@ LAYOUT = ["--actor-device-ids", 0, "--learner-device-ids", 1, 2, "--num-actor-th
                                                 "--num-minibatches", 1]),
 ], ids=["impala", "ppo_atari"])
 def test_each_learner_joins_its_env_block_of_each_thread_of_its_host(tmp_path, script, observed, rewards, flags):
-    probe = tmp_path / "probe.py"
-    probe.write_text(PROBE.format(tests=str(ROOT / "tests"), observed=observed, rewards=rewards))
+    probe = patched(script, PROBE.format(observed=observed, rewards=rewards), tmp_path / "probe.py", after=REPORT)
     joined = {}  # learner -> the stamps it joined, a row per step of each update
-    for result in run_two_hosts(probe, [script, *flags, *LAYOUT], tmp_path, devices=3, timeout=300):
+    for result in run_two_hosts(probe, [*flags, *LAYOUT], tmp_path, devices=3, timeout=300):
         assert result.returncode == 0, result.output[-3000:]
         line = [line for line in result.output.splitlines() if line.startswith("joined ")][-1]
         for learner, stamps in json.loads(line.removeprefix("joined ")):
