@@ -125,35 +125,7 @@ class EnvInfo(NamedTuple):
     obs_shape: tuple  # [C, H, W]
     num_actions: int
     source: str  # envpool or gymnasium
-    atari: bool  # envpool's Atari
-
-@cache
-def describe_env(env_id, machado):
-    module, _, name = env_id.rpartition(":")
-    if env_id in envpool.list_all_envs():
-        source, atari = "envpool", hasattr(envpool.make_spec(env_id).config, "episodic_life")
-        spaces = envpool.make_spec(env_id, **(atari_kwargs(machado) if atari else {}))
-    else:
-        source, atari = "gymnasium", False
-        try:  # the module registers `name` with gymnasium
-            importlib.import_module(module) if module else None
-        except Exception as e:  # whatever the import raised
-            fail(f"--env-id {env_id!r}: module {module!r} does not import ({type(e).__name__}: {e})")
-        if name not in gym.registry:
-            fail(f"--env-id {env_id!r}: no such envpool or gymnasium environment")
-        try:  # a registered env may still not make: a dependency missing, a version retired
-            with warnings.catch_warnings(action="ignore"):  # they come again in make_envs
-                spaces = gym.make(name)
-        except Exception as e:  # whatever its maker raised
-            fail(f"--env-id {env_id!r}: gymnasium cannot make it ({type(e).__name__}: {e})")
-    obs_space, act_space = spaces.observation_space, spaces.action_space
-    if not isinstance(act_space, gym.spaces.Discrete) or act_space.start != 0 or not isinstance(
-            obs_space, gym.spaces.Box) or len(obs_space.shape) != 3:
-        fail(f"--env-id {env_id!r} has {act_space}, {obs_space}: not actions from 0 and images")
-    shape = obs_space.shape
-    if source == "gymnasium" and len(shape) == 3:  # [H, W, C] to envpool's [C, H, W]
-        shape = (shape[2], shape[0], shape[1])
-    return EnvInfo(obs_shape=tuple(shape), num_actions=int(act_space.n), source=source, atari=atari)
+    atari: bool  # envpool's Atari: the only envs whose config has episodic_life
 
 class Envs(NamedTuple):  # a batch of envs stepped together
     pool: object
@@ -187,7 +159,7 @@ def env_reset(envs):
 #   t      x      a move   r       1 (0 if cut)  1      learns; if cut, bootstraps from V(x_end)
 #   t + 1  x_end  ignored  0       0             0      leaves it out; row t's targets stop here
 #   t + 2  x_0    a move   r'      as any row    1      learns, as from any move
-# `collect` makes a row not valid if `ended` was set the step before; `track_games` does not count
+# `collect` makes a row not valid if `ended` was set the step before; `next_state` does not count
 # the reset step in a game's length. A rollout may end at row t: its x_T is then x_end.
 
 class Step(NamedTuple):  # what one step of E envs returns
@@ -284,8 +256,7 @@ def gae(rewards, values, terminated, ended, gamma, lam):
     return advantages
 
 def normalize(advantages, valid):
-    """Zero mean, unit std over all learners' valid samples: psum gives each learner the sum over
-    all of them."""
+    """Zero mean, unit std over all learners' valid samples (psum: the sum over all, on each)."""
     n = jax.lax.psum(valid.sum(), "learners")
     mean = jax.lax.psum((advantages * valid).sum(), "learners") / n
     var = jax.lax.psum((((advantages - mean) ** 2) * valid).sum(), "learners") / n
@@ -332,7 +303,7 @@ def ppo_loss(params, mb, args):
     """Each term is this learner's share of the minibatch mean: its samples' sum over n, the count on
     all learners. A psum (in `learner_update`) adds the L learners' shares and their gradients.
     A term you add must be a share too. Not a .mean() of this learner's steps: the psum adds L
-    means. A term of the parameters alone (an L2 penalty) every learner counts, so divide it by L:
+    means. Every learner counts a term of the parameters alone (an L2 penalty), so divide it by L:
     `loss += coef * sum(jnp.sum(w ** 2) for w in jax.tree.leaves(params)) / jax.lax.psum(1, "learners")`."""
     logits, values = apply(params, mb.obs)
     logp = log_prob(logits, mb.actions)
@@ -550,7 +521,7 @@ def collect(args, groups, params, states, stats):
                     step = env_recv(envs, pending[g]["actions"])
                 rows[g].append(dict(pending[g], rewards=step.reward, terminated=step.terminated,
                                     ended=step.ended, valid=~state.ended))
-                state = track_games(state, step, stats)
+                state = next_state(state, step, stats)
             if t < args.num_steps:
                 with timer(stats.timings, "inference_time"):
                     actions, logp_mu, values, key = act(params, state.obs, state.key)
@@ -572,7 +543,7 @@ def collect(args, groups, params, states, stats):
     rollout["values"] = np.concatenate([rollout["values"], np.concatenate(bootstrap)[None]])
     return Rollout(**rollout), states
 
-def track_games(state, step, stats):
+def next_state(state, step, stats):
     """The ActorState after `step`; the games that ended go to `stats`."""
     game_return = state.game_return + step.score
     game_length = state.game_length + np.where(state.ended, 0, 1)
@@ -642,8 +613,9 @@ def make_update(args, mesh, num_updates):
 
     # In out_specs, P() promises that all learners return the same value: the psum makes it so.
     # E.g. 2 learners of 512 samples a minibatch: the psum of their grads is the gradient of 1,024.
-    # check_vma=False: on, JAX records which values vary by learner (vma), and jax.grad sums the
-    # gradients over learners itself, like DDP's backward(): our psum would count them L times.
+    # check_vma=False keeps that psum the only all-reduce. With check_vma=True, shard_map tracks
+    # which values vary by learner (vma), and jax.grad all-reduces the gradients of the shared
+    # parameters itself, as DDP's backward() does: the psum would then multiply that sum by L.
     return jax.jit(jax.shard_map(learner_update, mesh=mesh, in_specs=(P(), P(None, "learners")),
                                  out_specs=(P(), P()), check_vma=False))
 
@@ -669,6 +641,34 @@ def report(args, run, window, elapsed, update, batch_size):
         row["charts/episodic_length"] = mean([n for stats in actor_stats for n in stats.lengths])
     log(run, row)
     return row
+
+@cache
+def describe_env(env_id, machado):
+    module, _, name = env_id.rpartition(":")
+    if env_id in envpool.list_all_envs():
+        source, atari = "envpool", hasattr(envpool.make_spec(env_id).config, "episodic_life")
+        spaces = envpool.make_spec(env_id, **(atari_kwargs(machado) if atari else {}))
+    else:
+        source, atari = "gymnasium", False
+        try:  # the module registers `name` with gymnasium
+            importlib.import_module(module) if module else None
+        except Exception as e:  # whatever the import raised
+            fail(f"--env-id {env_id!r}: module {module!r} does not import ({type(e).__name__}: {e})")
+        if name not in gym.registry:
+            fail(f"--env-id {env_id!r}: no such envpool or gymnasium environment")
+        try:  # a registered env may still not make: a dependency missing, a version retired
+            with warnings.catch_warnings(action="ignore"):  # they come again in make_envs
+                spaces = gym.make(name)
+        except Exception as e:  # whatever its maker raised
+            fail(f"--env-id {env_id!r}: gymnasium cannot make it ({type(e).__name__}: {e})")
+    obs_space, act_space = spaces.observation_space, spaces.action_space
+    if not isinstance(act_space, gym.spaces.Discrete) or act_space.start != 0 or not isinstance(
+            obs_space, gym.spaces.Box) or len(obs_space.shape) != 3:
+        fail(f"--env-id {env_id!r} has {act_space}, {obs_space}: not actions from 0 and images")
+    shape = obs_space.shape
+    if source == "gymnasium" and len(shape) == 3:  # [H, W, C] to envpool's [C, H, W]
+        shape = (shape[2], shape[0], shape[1])
+    return EnvInfo(obs_shape=tuple(shape), num_actions=int(act_space.n), source=source, atari=atari)
 
 def check_args(args):
     env_info = describe_env(args.env_id, args.machado)

@@ -168,7 +168,8 @@ def test_impala_loss_pieces_are_sums_over_valid_steps_matching_numpy(impala):
     args = impala.Args(gamma=gamma, vtrace_lambda=lam, vf_coef=vf_coef, ent_coef=ent_coef, network="mlp")
     _, info = jax.jit(lambda params, batch: impala.impala_loss(params, batch, args))(params, batch)
 
-    logits, values = (np.asarray(x, np.float64) for x in jax.vmap(impala.apply, (None, 0, None))(params, batch.obs, "mlp"))
+    outputs = jax.vmap(impala.apply, (None, 0, None))(params, batch.obs, "mlp")  # apply takes [N, ...]: map T + 1
+    logits, values = (np.asarray(x, np.float64) for x in outputs)
     logp = logits[:-1] - np.log(np.exp(logits[:-1]).sum(-1, keepdims=True))
     mu = batch.logits - np.log(np.exp(batch.logits).sum(-1, keepdims=True))
     taken = lambda x: np.take_along_axis(x, batch.actions[..., None], -1)[..., 0]  # noqa: E731
