@@ -139,6 +139,34 @@ class EnvInfo(NamedTuple):
     source: str  # envpool or gymnasium
     atari: bool  # envpool's Atari: the only envs whose config has episodic_life
 
+@cache  # asked by check_args and by each make_envs: the spaces are read once
+def describe_env(env_id, machado):
+    module, _, name = env_id.rpartition(":")
+    if env_id in envpool.list_all_envs():
+        source, atari = "envpool", hasattr(envpool.make_spec(env_id).config, "episodic_life")
+        spaces = envpool.make_spec(env_id, **(atari_kwargs(machado) if atari else {}))
+    else:
+        source, atari = "gymnasium", False
+        try:  # the module registers `name` with gymnasium
+            importlib.import_module(module) if module else None
+        except Exception as e:  # whatever the import raised
+            fail(f"--env-id {env_id!r}: module {module!r} does not import ({type(e).__name__}: {e})")
+        if name not in gym.registry:
+            fail(f"--env-id {env_id!r}: no such envpool or gymnasium environment")
+        try:  # a registered env may still not make: a dependency missing, a version retired
+            with warnings.catch_warnings(action="ignore"):  # they come again in make_envs
+                spaces = gym.make(name)
+        except Exception as e:  # whatever its maker raised
+            fail(f"--env-id {env_id!r}: gymnasium cannot make it ({type(e).__name__}: {e})")
+    obs_space, act_space = spaces.observation_space, spaces.action_space
+    if not isinstance(act_space, gym.spaces.Discrete) or act_space.start != 0 or not isinstance(
+            obs_space, gym.spaces.Box) or len(obs_space.shape) not in (1, 3):
+        fail(f"--env-id {env_id!r} has {act_space}, {obs_space}: not actions from 0, vectors or images")
+    shape = obs_space.shape
+    if source == "gymnasium" and len(shape) == 3:  # [H, W, C] to envpool's [C, H, W]
+        shape = (shape[2], shape[0], shape[1])
+    return EnvInfo(obs_shape=tuple(shape), num_actions=int(act_space.n), source=source, atari=atari)
+
 class Envs(NamedTuple):  # a batch of envs stepped together
     pool: object
     env_info: EnvInfo
@@ -321,17 +349,17 @@ def impala_loss(params, rollout, args):
     means. Every learner counts a term of the parameters alone (an L2 penalty), so divide it by L:
     `loss += coef * sum(jnp.sum(w ** 2) for w in jax.tree.leaves(params)) / jax.lax.psum(1, "learners")`."""
     # The network takes one batch axis: merge time and envs into it, then split them again, to
-    # logits [T+1, E, A] and values [T+1, E].
+    # pi's logits [T+1, E, A] and values [T+1, E] (rollout.logits are mu's).
     obs, time_envs = rollout.obs, rollout.obs.shape[:2]
-    logits, values = apply(params, obs.reshape(-1, *obs.shape[2:]), args.network)
-    logits, values = logits.reshape(*time_envs, -1), values.reshape(time_envs)
-    logp_taken = log_prob(logits[:-1], rollout.actions)  # log pi
+    pi_logits, values = apply(params, obs.reshape(-1, *obs.shape[2:]), args.network)
+    pi_logits, values = pi_logits.reshape(*time_envs, -1), values.reshape(time_envs)
+    logp_taken = log_prob(pi_logits[:-1], rollout.actions)  # log pi
     rhos = jnp.exp(logp_taken - log_prob(rollout.logits, rollout.actions))
     discounts = args.gamma * (1.0 - rollout.terminated)
     targets = vtrace(values, rollout.rewards, discounts, rhos, rollout.valid, args.vtrace_lambda)
     policy_loss = -jnp.sum(rollout.valid * logp_taken * targets.pg_advantages)
     value_loss = 0.5 * jnp.sum(rollout.valid * (targets.vs - values[:-1]) ** 2)
-    entropy_sum = jnp.sum(rollout.valid * entropy(logits[:-1]))
+    entropy_sum = jnp.sum(rollout.valid * entropy(pi_logits[:-1]))
     loss = policy_loss + args.vf_coef * value_loss - args.ent_coef * entropy_sum
     return loss, Losses(loss, policy_loss, value_loss, entropy_sum)
 
@@ -628,34 +656,6 @@ def report(args, run, window, elapsed, update, batch_size):
         row["charts/episodic_length"] = mean([n for stats in actor_stats for n in stats.lengths])
     log(run, row)
     return row
-
-@cache
-def describe_env(env_id, machado):
-    module, _, name = env_id.rpartition(":")
-    if env_id in envpool.list_all_envs():
-        source, atari = "envpool", hasattr(envpool.make_spec(env_id).config, "episodic_life")
-        spaces = envpool.make_spec(env_id, **(atari_kwargs(machado) if atari else {}))
-    else:
-        source, atari = "gymnasium", False
-        try:  # the module registers `name` with gymnasium
-            importlib.import_module(module) if module else None
-        except Exception as e:  # whatever the import raised
-            fail(f"--env-id {env_id!r}: module {module!r} does not import ({type(e).__name__}: {e})")
-        if name not in gym.registry:
-            fail(f"--env-id {env_id!r}: no such envpool or gymnasium environment")
-        try:  # a registered env may still not make: a dependency missing, a version retired
-            with warnings.catch_warnings(action="ignore"):  # they come again in make_envs
-                spaces = gym.make(name)
-        except Exception as e:  # whatever its maker raised
-            fail(f"--env-id {env_id!r}: gymnasium cannot make it ({type(e).__name__}: {e})")
-    obs_space, act_space = spaces.observation_space, spaces.action_space
-    if not isinstance(act_space, gym.spaces.Discrete) or act_space.start != 0 or not isinstance(
-            obs_space, gym.spaces.Box) or len(obs_space.shape) not in (1, 3):
-        fail(f"--env-id {env_id!r} has {act_space}, {obs_space}: not actions from 0, vectors or images")
-    shape = obs_space.shape
-    if source == "gymnasium" and len(shape) == 3:  # [H, W, C] to envpool's [C, H, W]
-        shape = (shape[2], shape[0], shape[1])
-    return EnvInfo(obs_shape=tuple(shape), num_actions=int(act_space.n), source=source, atari=atari)
 
 def check_args(args):
     env_info = describe_env(args.env_id, args.machado)
