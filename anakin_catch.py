@@ -289,8 +289,8 @@ def make_train(args, mesh):
     # P() promises that every device holds the same value (the params, kept equal by the pmean, and
     # the psum'ed stats), so JAX returns device 0's copy.
     # check_vma=False, so the pmean in `update` is the only all-reduce of the gradients: on,
-    # jax.grad would also sum them over the devices, as DDP's backward() does, and give N times the
-    # mean (vma, "varying manual axes": JAX's record of which values differ by device).
+    # jax.grad would all-reduce them too, as DDP's backward() does, but as a sum: N times the mean
+    # (vma, "varying manual axes": JAX's record of which values differ by device).
     sharded = jax.shard_map(train, mesh=mesh, in_specs=(STATE_SPECS, P()), out_specs=(STATE_SPECS, P()),
                             check_vma=False)
     # donate_argnums=0 lets XLA reuse the old state's memory for the new: the caller never reads it.

@@ -10,9 +10,9 @@ al. 2017) for Atari.
                                   a queue of one rollout)    GAE, PPO's epochs, grads summed
                                <-------------------------  publish: new params to actors
 
-Rollout u, which update u learns from, is collected while update u - 1 runs, so it acts with what
-update u - 2 made: stats/param_lag (u - 1) - (u - 2) = 1. Exactly u - 2, not whichever is newest,
-so equal flags train an equal agent however busy the machine. In time ("params v": update v's):
+Rollout u is collected while update u - 1 runs, so it acts with what update u - 2 made; update u,
+which learns from it, starts from u - 1's: stats/param_lag is 1. Exactly u - 2, not whichever is
+newest: equal flags train an equal agent however busy the machine. In time (params v: update v's):
     actors:    rollout 1, params 0 | rollout 2, params 0 | rollout 3, params 1 | rollout 4, params 2
     learners:  wait for rollout 1  | update 1: rollout 1 | update 2: rollout 2 | update 3: rollout 3
 
@@ -642,8 +642,8 @@ def make_update(args, mesh, num_updates):
     # In out_specs, P() promises that all learners return the same value: the psum makes it so.
     # E.g. 2 learners of 512 samples a minibatch: the psum of their grads is the gradient of 1,024.
     # check_vma=False keeps that psum the only all-reduce. With check_vma=True, shard_map tracks
-    # which values vary by learner (vma), and jax.grad all-reduces the gradients of the shared
-    # parameters itself, as DDP's backward() does: the psum would then multiply that sum by L.
+    # which values vary by learner (vma), and jax.grad sums the shared parameters' gradients over
+    # learners itself, as DDP's backward() all-reduces (a mean): the psum would then add L copies.
     return jax.jit(jax.shard_map(learner_update, mesh=mesh, in_specs=(P(), P(None, "learners")),
                                  out_specs=(P(), P()), check_vma=False))
 
