@@ -97,7 +97,7 @@ class Args:
     total_timesteps: Annotated[int | None, by_obs("total_timesteps")] = None  # env steps, all hosts (reset steps too)
     learning_rate: Annotated[float | None, by_obs("learning_rate")] = None  # RMSProp step size
     anneal_lr: bool = True  # decay the step size linearly to 0
-    actor_device_ids: Annotated[list[int] | None, default_is("0")] = None  # local devices that act
+    actor_device_ids: list[int] = dataclasses.field(default_factory=lambda: [0])  # local devices that act
     learner_device_ids: Annotated[list[int] | None, default_is("others, or 0")] = None  # local devices that learn
     num_actor_threads: int = 2  # per actor device: one steps envs while another acts
     local_num_envs: int = 16  # envs per actor thread
@@ -178,7 +178,7 @@ def make_envs(args, num_envs, seeds):
         pool = gym.make_vec(args.env_id.rpartition(":")[2], num_envs, vectorization_mode="sync")
     else:  # all env groups step at once: each gets its part of the cores this process may run on,
         # which Linux's sched_getaffinity counts (a container may allow fewer than os.cpu_count()).
-        n_groups = len(args.actor_device_ids or [0]) * args.num_actor_threads * (1 + args.async_envs)
+        n_groups = len(args.actor_device_ids) * args.num_actor_threads * (1 + args.async_envs)
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
         threads = min(num_envs, max(1, cores // n_groups))
         pool = envpool.make(args.env_id, env_type="gymnasium", num_envs=num_envs, seed=seeds,
@@ -413,10 +413,10 @@ class Layout(NamedTuple):
 def pick_devices(args):
     """The devices that act and learn."""
     num_devices = jax.local_device_count()
-    actors = args.actor_device_ids or [0]
+    actors = args.actor_device_ids
     learners = args.learner_device_ids or [i for i in range(num_devices) if i not in actors] or [0]
     for flag, ids in (("--actor-device-ids", actors), ("--learner-device-ids", learners)):
-        if not all(0 <= i < num_devices for i in ids) or len(set(ids)) < len(ids):
+        if not ids or not all(0 <= i < num_devices for i in ids) or len(set(ids)) < len(ids):
             fail(f"{flag} {ids}: give distinct indices in 0..{num_devices - 1}")
     if num_devices > 1 and set(actors) & set(learners):
         fail(f"--learner-device-ids {learners} share a device with --actor-device-ids {actors}")

@@ -259,7 +259,7 @@ def with_flags(checkpoint, path, **changes):
     ({"env_id": ["CartPole-v1"]}, '--env-id ["CartPole-v1"], which is not str'),
     ({"env_id": 3}, "--env-id 3, which is not str"),
     ({"seed": 1.5}, "--seed 1.5, which is not int"),
-    ({"actor_device_ids": [0.5]}, "--actor-device-ids [0.5], which is not list[int] | None"),
+    ({"actor_device_ids": [0.5]}, "--actor-device-ids [0.5], which is not list[int]"),
 ])
 def test_recorded_flags_of_the_wrong_type_are_refused(checkpoints, tmp_path, capsys, changes, words):
     path = with_flags(checkpoints["impala cartpole"], tmp_path / "typed.npz", **changes)

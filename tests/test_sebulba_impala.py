@@ -462,6 +462,7 @@ def mismatched_checkpoint(tmp_path):
     (1, ["--env-id", "CartPole-v1", "--max-grad-norm", 0], "--max-grad-norm"),
     (1, ["--env-id", MINATAR, "--network", "shallow"], "--network"),
     (2, ["--env-id", "CartPole-v1", "--actor-device-ids", 2], "--actor-device-ids"),
+    (1, ["--env-id", "CartPole-v1", "--actor-device-ids"], "--actor-device-ids"),  # none: no actor
     (2, ["--env-id", "CartPole-v1", "--actor-device-ids", 0, "--learner-device-ids", 0, 1], "--learner-device-ids"),
     (3, ["--env-id", "CartPole-v1", "--learner-device-ids", 1, 2, "--local-num-envs", 3], "--local-num-envs"),
     (4, ["--env-id", "CartPole-v1"], "--local-num-envs"),  # the default learners, 3, take no 16 envs
@@ -470,7 +471,7 @@ def mismatched_checkpoint(tmp_path):
     (1, ["--env-id", "CartPole-v1", "--resume", "missing.npz"], "--resume"),
     (1, ["--env-id", "CartPole-v1", "--resume", mismatched_checkpoint], "--resume"),
 ], ids=["unknown-env", "continuous-actions", "actions-from-1", "shallow-vectors", "max-grad-norm-0", "shallow-10x10",
-        "device-out-of-range", "device-reused",
+        "device-out-of-range", "no-actor-device", "device-reused",
         "envs-not-divisible", "envs-not-divisible-by-default-learners",
         "async-envs-odd", "budget-below-one-update", "missing-checkpoint",
         "mismatched-checkpoint"])

@@ -381,6 +381,7 @@ def write_bad_checkpoint(path):
     (["--local-num-envs", "3", "--learner-device-ids", "1", "2"], 3, "--local-num-envs"),
     ([], 4, "or --learner-device-ids (default: all but the actors)"),  # 3 learners by default, 4 envs
     (["--learner-device-ids", "4"], 2, "--learner-device-ids"),
+    (["--actor-device-ids"], 1, "--actor-device-ids"),  # none: no actor
     (["--actor-device-ids", "0", "--learner-device-ids", "0", "1"], 2, "share a device"),
     (["--total-timesteps", "10"], 1, "--total-timesteps"),
     (["--async-envs", "--local-num-envs", "3"], 1, "--local-num-envs"),
