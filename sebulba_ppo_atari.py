@@ -269,6 +269,7 @@ def entropy(logits):
 
 
 # ---- The loss: GAE, PPO's clipped objective (Schulman et al. 2016, 2017), decoupled
+# mu: the actors' policy (update u - 2's); pi_prox: update u's start (u - 1's; --no-policy-lag: mu)
 
 def gae(rewards, values, terminated, ended, gamma, lam):
     """Advantages [T, E] (values [T + 1, E]); a truncation bootstraps, `ended` cuts the recursion."""
@@ -295,15 +296,14 @@ def clipped_surrogate(ratio, advantages, clip):
     return jnp.maximum(-advantages * ratio, -advantages * jnp.clip(ratio, 1 - clip, 1 + clip))
 
 def decoupled_surrogate(logp, logp_prox, logp_mu, advantages, clip):
-    """Decoupled PPO (Hilton et al. 2021): the clip window is around pi_prox, the policy at the update's
-    start, not around the actors' mu (one update older). Each sample is weighted by pi_prox / mu,
-    unclipped as in the paper; the gradient-norm clip bounds outliers."""
+    """Decoupled PPO (Hilton et al. 2021): the clip window is around pi_prox, not mu. Each sample is
+    weighted by pi_prox / mu, unclipped as in the paper; the gradient-norm clip bounds outliers."""
     weight = jax.lax.stop_gradient(jnp.exp(logp_prox - logp_mu))
     ratio = jnp.exp(logp - jax.lax.stop_gradient(logp_prox))
     return weight * clipped_surrogate(ratio, advantages, clip)
 
 def clipped_value_loss(values, old_values, targets, clip):
-    """Value loss per sample, clipped around the acting-time value."""
+    """Value loss per sample, clipped around the acting-time value, which GAE's targets build on."""
     clipped = old_values + jnp.clip(values - old_values, -clip, clip)
     return 0.5 * jnp.maximum((values - targets) ** 2, (clipped - targets) ** 2)
 
@@ -641,9 +641,9 @@ def make_update(args, mesh, num_updates):
 
     # In out_specs, P() promises that all learners return the same value: the psum makes it so.
     # E.g. 2 learners of 512 samples a minibatch: the psum of their grads is the gradient of 1,024.
-    # check_vma=False keeps that psum the only all-reduce. With check_vma=True, shard_map tracks
-    # which values vary by learner (vma), and jax.grad sums the shared parameters' gradients over
-    # learners itself, as DDP's backward() all-reduces (a mean): the psum would then add L copies.
+    # check_vma=False: the psum above is our own all-reduce of the gradients. With it True, JAX
+    # tracks which values differ between learners, and jax.grad would all-reduce the gradients
+    # of the shared parameters itself: the psum would then count them L times.
     return jax.jit(jax.shard_map(learner_update, mesh=mesh, in_specs=(P(), P(None, "learners")),
                                  out_specs=(P(), P()), check_vma=False))
 
