@@ -25,7 +25,7 @@ In PyTorch terms: `shard_map` runs the update on every learner at once, each on 
 data, as DDP runs a process per GPU; `psum` over "learners" is all_reduce with SUM (not DDP's mean:
 each learner's loss is its share of the global loss). The `Mesh` is the learners' process group,
 `NamedSharding(mesh, P(...))` which part of an array each holds (P(): all), `addressable_data(0)`
-this host's copy, `make_array_from_process_local_data` one array from the hosts' numpy parts.
+this host's copy, `make_array_from_process_local_data` device_put with each host giving its part.
 A pytree is any nesting of tuples, lists, dicts and NamedTuples of arrays: JAX acts on its leaves.
 
     python sebulba_ppo_atari.py --env-id Breakout-v5
