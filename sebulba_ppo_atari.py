@@ -25,7 +25,7 @@ In PyTorch terms: `shard_map` runs the update on every learner at once, each on 
 data, as DDP runs a process per GPU; `psum` over "learners" is all_reduce with SUM (not DDP's mean:
 each learner's loss is its share of the global loss). The `Mesh` is the learners' process group,
 `NamedSharding(mesh, P(...))` which part of an array each holds (P(): all), `addressable_data(0)`
-this host's copy, `make_array_from_process_local_data` device_put with each host giving its part.
+one local learner's copy, `make_array_from_process_local_data` a device_put of each host's part.
 A pytree is any nesting of tuples, lists, dicts and NamedTuples of arrays: JAX acts on its leaves.
 
     python sebulba_ppo_atari.py --env-id Breakout-v5
@@ -426,7 +426,7 @@ def initial_state(args, env_info, layout, num_updates, batch_size):
     state = jax.make_array_from_process_local_data(NamedSharding(layout.mesh, P()), tree)
     return state, int(ckpt["update"]) if ckpt else 0
 
-def local(tree):  # addressable_data(0): this host's copy of a global array each learner holds whole
+def local(tree):  # addressable_data(0): a local learner's copy of an array that every learner holds
     return jax.tree.map(lambda x: x.addressable_data(0), tree)
 
 @jax.jit
