@@ -489,7 +489,7 @@ class ParamStore:
             self.cond.wait_for(lambda: version in self.versions)
             return self.versions[version][device]
 
-def start_actors(args, layout, store, start_update, num_updates):
+def start_actors(args, layout, store, num_updates):
     """This host's actor threads, each handing its rollouts to `learn` through a queue of one: a
     thread whose last rollout the learner has not taken yet waits."""
     def crash(hook):  # a raise ends the run, or the learner would wait forever
@@ -503,14 +503,14 @@ def start_actors(args, layout, store, start_update, num_updates):
         index = jax.process_index() * num_threads + i
         device = layout.actor_devices[i // args.num_actor_threads]
         threading.Thread(target=actor, name=f"actor{i}", daemon=True, args=(
-            args, index, device, layout.mesh, store, rollout_queue, start_update, num_updates)).start()
+            args, index, device, layout.mesh, store, rollout_queue, num_updates)).start()
     return queues
 
-def actor(args, index, device, mesh, store, rollout_queue, start_update, num_updates):
+def actor(args, index, device, mesh, store, rollout_queue, num_updates):
     """Actor thread `index`, numbered over all hosts' threads (no two share an env seed)."""
-    groups, states = start_groups(args, index, device, start_update)
+    groups, states = start_groups(args, index, device, store.start_update)
     to_learners = NamedSharding(mesh, P(None, "learners"))  # the envs (axis 1) split over learners
-    for update in range(start_update + 1, num_updates + 1):  # the rollout this update learns from
+    for update in range(store.start_update + 1, num_updates + 1):  # the rollout this update learns from
         version = store.version_for(update)
         params = store.wait(version, device)
         stats = ActorStats(returns=[], lengths=[], lag=update - 1 - version, timings=defaultdict(float))
@@ -721,7 +721,7 @@ def main(args):
     run = open_run(args, start_update, num_updates)
     store = ParamStore(layout.actor_devices, start_update, args.policy_lag)
     store.publish(start_update, state.params)
-    queues = start_actors(args, layout, store, start_update, num_updates)
+    queues = start_actors(args, layout, store, num_updates)
     # A stop exits by os._exit: Python's shutdown would abort if an actor thread is in envpool.
     try:
         state, row = learn(args, layout, run, store, queues, state, start_update, batch_size)
