@@ -16,11 +16,11 @@ newest: equal flags train an equal agent however busy the machine. In time (para
     actors:    rollout 1, params 0 | rollout 2, params 0 | rollout 3, params 1 | rollout 4, params 2
     learners:  wait for rollout 1  | update 1: rollout 1 | update 2: rollout 2 | update 3: rollout 3
 
-Sections: envs, network, loss, optimizer, one rollout's path (a map heads it), `main`; a first read
-may skip main's checks and the plumbing appendix. New to JAX? Read the rollout's map first, then
-`actor`, `collect`, `learn`, `make_update`, `ParamStore`, with the network and loss as black boxes.
-Where to change: the network in `init_params` and `apply`, the loss in `ppo_loss` (its
-docstring says how to add a term), the env in `describe_env`, `make_envs` and the `env_*` functions.
+Sections: envs, network, loss, optimizer, one rollout's path (a map heads it), `main`. New to JAX?
+Read the map first, then `actor`, `collect`, `learn`, `make_update`, `ParamStore`, with the network
+and loss as black boxes; main's checks and the plumbing appendix can wait. Where to change: the
+network in `init_params` and `apply`, the loss in `ppo_loss` (its docstring says how to add a
+term), the env in `describe_env`, `make_envs`, `env_*` (it must reset as the reset-step table says).
 In PyTorch terms: `shard_map` runs the update on every learner at once, each on its share of the
 data, as DDP runs a process per GPU; `psum` over "learners" is all_reduce with SUM (not DDP's mean:
 each learner's loss is its share of the global loss). The `Mesh` is the learners' process group,
