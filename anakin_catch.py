@@ -288,9 +288,9 @@ def make_train(args, mesh):
     # process per GPU, and joins the devices' results into the outputs (out_specs). In out_specs,
     # P() promises that every device holds the same value (the params, kept equal by the pmean, and
     # the psum'ed stats), so JAX returns device 0's copy.
-    # check_vma=False, so the pmean in `update` is the only all-reduce of the gradients: on,
-    # jax.grad would all-reduce them too, as DDP's backward() does, but as a sum: N times the mean
-    # (vma, "varying manual axes": JAX's record of which values differ by device).
+    # check_vma=False (vma, "varying manual axes": JAX's record of which values differ by device).
+    # With it on, jax.grad would itself sum the gradients over devices, N times their mean (DDP's
+    # backward() averages them); off, the pmean in `update` is the one all-reduce of the gradients.
     sharded = jax.shard_map(train, mesh=mesh, in_specs=(STATE_SPECS, P()), out_specs=(STATE_SPECS, P()),
                             check_vma=False)
     # donate_argnums=0 lets XLA reuse the old state's memory for the new: the caller never reads it.

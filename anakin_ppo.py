@@ -530,9 +530,9 @@ def make_train(args, env, mesh, num_updates):
     # values over the devices, never across seeds. In out_specs, P() is a promise that every device
     # holds the same value (the params, kept equal by the pmean, and the stats, reduced over
     # devices), so JAX returns device 0's copy.
-    # check_vma=False, so the pmean in `gradient_steps` is the only all-reduce of the gradients: on,
-    # jax.grad would all-reduce them too, as DDP's backward() does, but as a sum: N times the mean
-    # (vma, "varying manual axes": JAX's record of which values differ by device).
+    # check_vma=False (vma, "varying manual axes": JAX's record of which values differ by device).
+    # With it on, jax.grad would itself sum the gradients over devices, N times their mean (DDP's
+    # backward() averages them); off, the pmean in `gradient_steps` is the one all-reduce of them.
     sharded = jax.shard_map(jax.vmap(train, in_axes=(0, None)), mesh=mesh, in_specs=(STATE_SPECS, P()),
                             out_specs=(STATE_SPECS, P()), check_vma=False)
     # On the CPU, LLVM's -O1 compiles this program 2-3x faster than its default -O2; it runs as fast.

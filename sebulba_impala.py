@@ -628,9 +628,9 @@ def make_update(args, mesh, num_updates):
 
     # In out_specs, P() promises that all learners return the same value: the psum makes it so.
     # E.g. with 2 learners of 320 steps, the psum of their grads is the gradient of all 640 steps.
-    # check_vma=False: the psum above is our own all-reduce of the gradients. With it True, JAX
-    # tracks which values differ between learners, and jax.grad would all-reduce the gradients
-    # of the shared parameters itself: the psum would then count them L times.
+    # check_vma=False (vma, "varying manual axes": JAX's record of which values differ by learner).
+    # With it on, jax.grad would itself sum the shared parameters' gradients over the learners, and
+    # the psum above would count them L times; off, that psum is the gradients' one all-reduce.
     return jax.jit(jax.shard_map(learner_update, mesh=mesh, in_specs=(P(), P(None, "learners")),
                                  out_specs=(P(), P()), check_vma=False))
 
