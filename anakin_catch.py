@@ -1,4 +1,4 @@
-"""Anakin on Catch: the Podracer paper's own example (Hessel et al. 2021, section 3).
+"""Anakin on Catch: the Podracer paper's own example (Hessel et al. 2021, section 3, and its colab).
 
 Catch is written in JAX, so acting and learning compile into one XLA program:
 
