@@ -501,7 +501,6 @@ def start_actors(args, layout, store, num_updates):
     def crash(hook):  # a raise ends the run, or the learner would wait forever
         traceback.print_exception(hook.exc_value)
         os._exit(1)
-
     threading.excepthook = crash
     num_threads = len(layout.actor_devices) * args.num_actor_threads
     queues = [queue.Queue(maxsize=1) for _ in range(num_threads)]
@@ -543,10 +542,11 @@ def start_groups(args, index, device, start_update):
 
 def collect(args, groups, params, states, stats):
     """--num-steps (T) steps of each env group: CleanRL's `a = act(obs); obs, r = step(a)`, the step
-    split into env_send (start it) and env_recv (wait for it) for --async-envs. Pass t, each group:
-        t = 0:      act on x_0, send a_0
-        0 < t < T:  receive step t - 1 (its row is then whole), act on x_t, send a_t
-        t = T:      receive step T - 1"""
+    split into env_send (start it) and env_recv (wait for it) for --async-envs. T = 3, each group:
+        pass 0: act on x_0, send a_0
+        pass 1: receive step 0, so row 0 (x_0, a_0, its reward) is whole; act on x_1, send a_1
+        pass 2: receive step 1 (row 1: if step 0 ended, the reset step); act on x_2, send a_2
+        pass 3: receive step 2 (row 2); x_3, left in the state, is what the loss bootstraps from"""
     rows, pending = [[] for _ in groups], [None] * len(groups)  # per group: rows; step in flight
     for t in range(args.num_steps + 1):
         for g, (envs, state) in enumerate(zip(groups, states)):
