@@ -10,9 +10,9 @@
                                   a queue of one rollout)    V-trace loss, grads summed
                                <-------------------------  publish: new params to actors
 
-Rollout u is collected while update u - 1 runs, so it acts with what update u - 2 made; update u,
-which learns from it, starts from u - 1's: stats/param_lag is 1. Exactly u - 2, not whichever is
-newest: equal flags train an equal agent however busy the machine. In time (params v: update v's):
+Rollout u is collected during update u - 1, so it acts with params u - 2 (update u - 2's); update u,
+which learns from it, starts from params u - 1, one version on: stats/param_lag is 1. Exactly u - 2,
+not whichever is newest: equal flags train an equal agent however busy the machine. In time:
     actors:    rollout 1, params 0 | rollout 2, params 0 | rollout 3, params 1 | rollout 4, params 2
     learners:  wait for rollout 1  | update 1: rollout 1 | update 2: rollout 2 | update 3: rollout 3
 
