@@ -639,11 +639,11 @@ def make_update(args, mesh, num_updates):
         mean = mean._replace(clipfrac_first=losses[0].clipfrac_first)
         return TrainState(params, opt_state, key), mean
 
-    # In out_specs, P() promises that all learners return the same value: the psum makes it so.
-    # E.g. 2 learners of 512 samples a minibatch: the psum of their grads is the gradient of 1,024.
-    # check_vma=False (vma, "varying manual axes": JAX's record of which values differ by learner).
-    # With it on, jax.grad would itself sum the shared parameters' gradients over the learners, and
-    # the psum above would count them L times; off, that psum is the gradients' one all-reduce.
+    # The psum above is DDP's gradient all-reduce: each learner's grads are its share's, their psum
+    # the whole batch's (2 learners of 512 samples a minibatch: 1,024). P() in out_specs promises
+    # that all learners return the same value, as the psum makes them. check_vma=False (vma,
+    # "varying manual axes": JAX's record of which values differ by learner): on, jax.grad would
+    # all-reduce too: each learner's grads would be the whole batch's already, the psum L times it.
     return jax.jit(jax.shard_map(learner_update, mesh=mesh, in_specs=(P(), P(None, "learners")),
                                  out_specs=(P(), P()), check_vma=False))
 
